@@ -1,0 +1,1 @@
+"""Paged-KV kernels (shipped as ``pagedgen.kernels``). Imports nothing of pagedgen."""

@@ -1,0 +1,13 @@
+import os
+
+# Triton kernels run on CPU tensors through the interpreter; it must be set before any
+# kernel is decorated, i.e. before pagedgen.kernels.triton_ops is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+# Two cores and pytest-xdist workers: one thread per worker is fastest and deterministic.
+torch.set_num_threads(1)
