@@ -1,0 +1,90 @@
+"""Time paged attention: decode (batch 64, context ~300) and prefill (2048 tokens).
+
+SmolLM2-135M shape: 9 query heads, 3 kv heads, head_dim 64, block size 16.
+CPU: torch_ops (with a per-step plan, and the plan's own cost). CUDA: torch_ops and the
+Triton kernels, with achieved K/V bandwidth (bytes of K/V read / time).
+
+    python bench/bench_attention.py [--threads 1] [--iters 20] [--device cpu|cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from pagedgen.kernels import torch_ops
+from pagedgen.kernels.paged_batch import PagedBatch, make_paged_batch
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+def decode_batch(dtype: torch.dtype, device: str) -> PagedBatch:
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = torch.randint(250, 351, (64,), generator=gen).tolist()  # context ~300
+    return make_paged_batch(seq_lens, [1] * 64, num_q_heads=NUM_Q_HEADS,
+                            num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                            block_size=BLOCK_SIZE, dtype=dtype, device=device)
+
+
+def prefill_batch(dtype: torch.dtype, device: str) -> PagedBatch:
+    return make_paged_batch([2048], [2048], num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS,
+                            head_dim=HEAD_DIM, block_size=BLOCK_SIZE, dtype=dtype, device=device)
+
+
+def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
+    fn()  # warm-up (Triton compiles here)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def kv_bytes_read(batch: PagedBatch) -> int:
+    """K and V bytes a paged kernel must read: every context token, every kv head."""
+    tokens = int(batch.seq_lens.sum())
+    return 2 * tokens * NUM_KV_HEADS * HEAD_DIM * batch.k_cache.element_size()
+
+
+def bench_case(name: str, batch: PagedBatch, iters: int, device: str) -> None:
+    scale = HEAD_DIM ** -0.5
+    args = batch.attention_args()
+    plan_ms = time_ms(lambda: torch_ops.plan_attention(*args[3:], BLOCK_SIZE), iters, device)
+    plan = torch_ops.plan_attention(*args[3:], BLOCK_SIZE)
+    torch_ms = time_ms(lambda: torch_ops.paged_attention(*args, scale, plan=plan), iters, device)
+    print(f"{name:28s} torch_ops {torch_ms:8.3f} ms/call   plan {plan_ms:6.3f} ms/step")
+    if device == "cuda":
+        from pagedgen.kernels import triton_ops
+        triton_plan = triton_ops.plan_attention(*args[3:], BLOCK_SIZE)
+        triton_ms = time_ms(lambda: triton_ops.paged_attention(*args, scale, plan=triton_plan),
+                            iters, device)
+        gbps = kv_bytes_read(batch) / (triton_ms * 1e-3) / 1e9
+        print(f"{name:28s} triton    {triton_ms:8.3f} ms/call   K/V read {gbps:7.1f} GB/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    opts = parser.parse_args()
+    torch.set_num_threads(opts.threads)
+    print(f"device={opts.device} torch threads={torch.get_num_threads()} iters={opts.iters}")
+    for dtype in (torch.bfloat16, torch.float32):
+        tag = str(dtype).removeprefix("torch.")
+        bench_case(f"decode B=64 ctx~300 {tag}", decode_batch(dtype, opts.device), opts.iters,
+                   opts.device)
+        bench_case(f"prefill 2048 {tag}", prefill_batch(dtype, opts.device), opts.iters,
+                   opts.device)
+
+
+if __name__ == "__main__":
+    main()

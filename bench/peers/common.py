@@ -1,0 +1,120 @@
+"""What every runner shares: its command line, the workload file, the result line.
+
+Standard library only: the vLLM runner runs under vLLM's venv, without pagedgen or rich.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(slots=True)
+class Workload:
+    """Requests of a run: prompt token ids and max_tokens, index-aligned."""
+
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.prompts) != len(self.max_tokens):
+            raise ValueError(f"workload: {len(self.prompts)} prompts but {len(self.max_tokens)} max_tokens")
+        if not self.prompts:
+            raise ValueError("workload: no requests")
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def save_workload(workload: Workload, path: Path) -> None:
+    Path(path).write_text(json.dumps(asdict(workload)))
+
+
+def load_workload(path: Path) -> Workload:
+    return Workload(**json.loads(Path(path).read_text()))
+
+
+@dataclass(slots=True)
+class RunnerResult:
+    """The one JSON line a runner prints. Times in seconds, bytes for memory."""
+
+    engine: str
+    version: str
+    threads: int
+    dtype: str
+    num_requests: int
+    prompt_tokens: int
+    generated_tokens: int     # counted from the outputs, so a short output shows here
+    startup_s: float          # process spawn -> engine ready (imports, load, warm-up/compile)
+    generate_s: float         # the generate call(s) alone
+    kv_allocated_bytes: int | None = None   # the KV memory the engine holds (pool or cache tensors)
+    kv_peak_bytes: int | None = None        # the most of it in use at once, where the engine tells
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def generated_tok_s(self) -> float:
+        return self.generated_tokens / self.generate_s
+
+    @property
+    def prompt_tok_s(self) -> float:
+        return self.prompt_tokens / self.generate_s
+
+
+def runner_args(description: str) -> argparse.ArgumentParser:
+    """The arguments every runner takes; a runner may add its own before parsing."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", required=True, help="model folder (safetensors + tokenizer)")
+    parser.add_argument("--workload", required=True, type=Path, help="workload JSON from the driver")
+    parser.add_argument("--tokens-out", required=True, type=Path, help="where to write output token ids")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-gib", type=float, default=2.0, help="KV cache budget, GiB")
+    parser.add_argument("--spawn-time", type=float, default=None,
+                        help="time.time() at which the driver spawned this process")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.kv_gib <= 0:
+        raise ValueError(f"--kv-gib must be > 0, got {args.kv_gib}")
+    if not Path(args.model).is_dir():
+        raise ValueError(f"--model {args.model} is not a model folder")
+
+
+def seconds_since_spawn(spawn_time: float | None, process_start: float) -> float:
+    """Start-up as seen from the driver when it passed --spawn-time, else from this script's start."""
+    return time.time() - (spawn_time if spawn_time is not None else process_start)
+
+
+def check_outputs(workload: Workload, outputs: list[list[int]], engine: str) -> None:
+    """An engine that returns fewer or more tokens than asked would skew tokens/s: fail loudly."""
+    for i, (out, want) in enumerate(zip(outputs, workload.max_tokens, strict=True)):
+        if len(out) != want:
+            raise RuntimeError(f"{engine}: request {i} produced {len(out)} tokens, max_tokens={want}")
+
+
+def finish(result: RunnerResult, outputs: list[list[int]], tokens_out: Path) -> None:
+    """Write the token ids and print the result line (the last line on stdout)."""
+    Path(tokens_out).write_text(json.dumps(outputs))
+    line = asdict(result) | {"generated_tok_s": result.generated_tok_s, "prompt_tok_s": result.prompt_tok_s}
+    sys.stdout.flush()
+    print(json.dumps(line), flush=True)
+
+
+def env_threads(threads: int) -> None:
+    """Pin OpenMP/MKL thread pools before torch is imported (torch reads them at import)."""
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[name] = str(threads)

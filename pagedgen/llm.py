@@ -1,0 +1,218 @@
+"""The Python API, in vLLM's offline shape::
+
+    from pagedgen import LLM, SamplingParams
+    llm = LLM()                                          # built-in default model
+    outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+
+LLM loads the model, sizes the KV pool, and drives the engine until every request is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from pagedgen.engine.engine import EngineConfig, LLMEngine
+from pagedgen.memory.report import build_report
+from pagedgen.memory.tracker import MemoryTracker
+from pagedgen.model.loader import load_model
+from pagedgen.model.runner import ModelRunner
+from pagedgen.outputs import RequestOutput
+from pagedgen.progress import GenerationProgress
+from pagedgen.sampling import SamplingParams
+
+Conversation = list[dict[str, Any]]
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Engine options (all keyword): dtype ("auto"/None: the loader's choice), device
+    ("auto"/None: CUDA when available, else CPU), block_size, num_blocks (or num_gpu_blocks, vLLM's
+    name) or kv_memory (bytes for the pool), max_num_seqs, max_num_batched_tokens, max_model_len
+    (default: the model's max_position_embeddings capped by the pool's capacity),
+    enable_prefix_caching, seed (for unseeded requests), threads (torch.set_num_threads; None
+    leaves torch's choice)."""
+
+    def __init__(self, model: str | None = None, *, dtype: str | torch.dtype | None = None,
+                 device: str | None = None, block_size: int = 16, num_blocks: int | None = None,
+                 num_gpu_blocks: int | None = None, kv_memory: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                 seed: int = 0, threads: int | None = None) -> None:
+        _set_threads(threads)
+        _check_positive_int("block_size", block_size)
+        if num_blocks is not None and num_gpu_blocks is not None and num_blocks != num_gpu_blocks:
+            raise ValueError("give num_blocks or num_gpu_blocks, not two different values")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        self.loaded = load_model(model, None if dtype == "auto" else dtype, _resolve_device(device))
+        self.runner = ModelRunner(self.loaded, block_size,
+                                  num_blocks=num_blocks if num_blocks is not None else num_gpu_blocks,
+                                  kv_memory_bytes=kv_memory)
+        self.max_model_len = _resolve_max_model_len(
+            max_model_len, self.loaded.config.max_position_embeddings, self.runner.num_blocks * block_size)
+        config = EngineConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len,
+                              enable_prefix_caching, seed)
+        self.tracker = self._build_tracker(block_size)
+        self.engine = LLMEngine(self.runner, self.loaded.tokenizer, self.loaded.eos_token_ids, config,
+                                self.tracker, hash_extra_key=self.loaded.name)
+        self._request_counter = 0
+
+    def _build_tracker(self, block_size: int) -> MemoryTracker:
+        cfg, dtype = self.loaded.config, self.runner.dtype
+        return MemoryTracker(block_size, self.runner.num_blocks, cfg.kv_bytes_per_token(dtype),
+                             str(dtype).removeprefix("torch."), self.max_model_len,
+                             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                             head_dim=cfg.head_dim)
+
+    def get_tokenizer(self) -> Any:
+        return self.loaded.tokenizer
+
+    # --- generation ---
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams |
+                 list[SamplingParams] | None = None, use_tqdm: bool = True,
+                 on_output: Callable[[RequestOutput], None] | None = None,
+                 request_ids: list[str] | None = None) -> list[RequestOutput]:
+        """Generates for a string, a token-id list, a {"prompt": ...} / {"prompt_token_ids": ...}
+        dict, or a list of any of these. Returns one RequestOutput per prompt, in input order;
+        `on_output` sees each one as soon as it finishes (completion order)."""
+        items = normalize_prompts(prompts, self.loaded.tokenizer)
+        params = normalize_sampling_params(sampling_params, len(items))
+        ids = self._request_ids(request_ids, len(items))
+        for request_id, (text, token_ids), p in zip(ids, items, params):
+            self.engine.add_request(request_id, token_ids, p, text)
+        return self._run(ids, use_tqdm, on_output)
+
+    def chat(self, conversations: Conversation | list[Conversation],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, on_output: Callable[[RequestOutput], None] | None = None,
+             request_ids: list[str] | None = None) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template (with the generation prompt) and generates."""
+        single = isinstance(conversations, list) and bool(conversations) and isinstance(conversations[0], dict)
+        batch = [conversations] if single else list(conversations)
+        tokenizer = self.loaded.tokenizer
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("this model's tokenizer has no chat template; use generate() instead")
+        texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+                 for c in batch]
+        # The template already holds the special tokens (BOS): do not add them twice.
+        prompts = [{"prompt": t, "prompt_token_ids": tokenizer.encode(t, add_special_tokens=False)}
+                   for t in texts]
+        return self.generate(prompts, sampling_params, use_tqdm, on_output, request_ids)
+
+    def _request_ids(self, given: list[str] | None, count: int) -> list[str]:
+        if given is None:
+            start, self._request_counter = self._request_counter, self._request_counter + count
+            return [str(i) for i in range(start, start + count)]
+        ids = [str(r) for r in given]
+        if len(ids) != count:
+            raise ValueError(f"request_ids has {len(ids)} entries for {count} prompts")
+        if len(set(ids)) != count:
+            raise ValueError("request_ids must be unique")
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool,
+             on_output: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        engine = self.engine
+        with GenerationProgress(len(ids), self.runner.num_blocks, use_tqdm) as progress:
+            while engine.has_unfinished():
+                finished = engine.step()
+                for output in finished:
+                    done[output.request_id] = output
+                    if on_output is not None:
+                        on_output(output)
+                progress.update(len(finished), engine.stats.generated_tokens,
+                                engine.kv.snapshot().blocks_used)
+        return [done[i] for i in ids]
+
+    # --- reporting ---
+    def memory_report(self) -> dict[str, Any]:
+        """The memory report (memory/report.py schema) over everything run so far."""
+        return build_report(self.tracker, self.engine.kv.counters)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Engine and scheduler counters (steps, tokens, preemptions, recomputed tokens...)."""
+        from dataclasses import asdict
+
+        return {**asdict(self.engine.stats), **asdict(self.engine.scheduler.stats)}
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    _check_positive_int("threads", threads)
+    torch.set_num_threads(threads)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _resolve_device(device: str | None) -> str:
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _resolve_max_model_len(requested: int | None, max_positions: int, pool_tokens: int) -> int:
+    if requested is None:
+        return min(max_positions, pool_tokens)
+    _check_positive_int("max_model_len", requested)
+    if requested > max_positions:
+        raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings "
+                         f"({max_positions}); lower --max-model-len")
+    # Above the pool's capacity is allowed: requests that would not fit fail alone, with a reason.
+    return requested
+
+
+def normalize_prompts(prompts: Prompt | list[Prompt], tokenizer: Any) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt. A flat list of ints is ONE prompt of token ids."""
+    if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string, a list of token ids, a dict, or a list of "
+                         f"these; got {type(prompts).__name__}")
+    return [_one_prompt(p, i, tokenizer) for i, p in enumerate(prompts)]
+
+
+def _is_token_list(value: object) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+
+
+def _one_prompt(prompt: Prompt, index: int, tokenizer: Any) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, dict):
+        text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if ids is not None:
+            if not _is_token_list(ids) and ids != []:
+                raise ValueError(f"prompts[{index}]['prompt_token_ids'] must be a list of ints")
+            return text, list(ids)
+        if not isinstance(text, str):
+            raise ValueError(f"prompts[{index}] must hold 'prompt' (a string) or 'prompt_token_ids'")
+        prompt = text
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if _is_token_list(prompt) or prompt == []:
+        return None, list(prompt)
+    raise ValueError(f"prompts[{index}] must be a string, a list of token ids or a dict, "
+                     f"got {type(prompt).__name__}")
+
+
+def normalize_sampling_params(params: SamplingParams | Iterable[SamplingParams] | None,
+                              count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"sampling_params has {len(params)} entries for {count} prompts")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+    return params

@@ -1,0 +1,113 @@
+"""The memory report as Rich tables for the terminal (reads the report dict, nothing else)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich import box
+from rich.console import Console, Group
+from rich.table import Table
+
+POLICY_LABELS = {
+    "static_max_model_len": "static max_model_len",
+    "static_request": "static request",
+    "dynamic_doubling": "doubling",
+}
+SAVINGS_CAPTION = ("static: max_model_len or prompt + max_tokens slots reserved per running "
+                   "sequence up front; doubling: a buffer that starts at the prompt and grows x2 "
+                   "when full; seqs fit: sequences of the run's average footprint that fit in the pool")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def pool_table(pool: dict[str, Any]) -> Table:
+    return _kv_table("KV pool", [
+        ("block size", f"{pool['block_size']} tokens"),
+        ("blocks", f"{pool['num_blocks']:,}"),
+        ("bytes per token", f"{pool['bytes_per_token']:,} B"),
+        ("bytes per block", human_bytes(pool["bytes_per_block"])),
+        ("pool size", f"{human_bytes(pool['total_bytes'])} ({pool['total_tokens']:,} tokens)"),
+        ("dtype", pool["dtype"]),
+    ])
+
+
+def peak_table(pool: dict[str, Any], s: dict[str, Any]) -> Table:
+    return _kv_table("Peak and utilization", [
+        ("peak step", str(s["peak_step"])),
+        ("peak blocks used", f"{s['peak_blocks_used']:,} of {pool['num_blocks']:,} "
+                             f"({pct(s['peak_blocks_used'] / pool['num_blocks'])})"),
+        ("peak KV bytes", human_bytes(s["peak_bytes"])),
+        ("KV utilization at peak", pct(s["kv_utilization_at_peak"])),
+        ("KV utilization, mean over steps", pct(s["kv_utilization_mean"])),
+        ("internal fragmentation at peak", f"{pct(s['internal_fragmentation_at_peak'])} "
+                                           f"({s['internal_fragmentation_slots_at_peak']:,} slots)"),
+        ("logical / physical blocks at peak", f"{s['logical_blocks_at_peak']:,} / {s['peak_blocks_used']:,}"),
+        ("shared blocks at peak", f"{s['shared_blocks_at_peak']:,}"),
+        ("peak concurrent sequences", str(s["peak_concurrent_sequences"])),
+    ])
+
+
+def savings_table(cf: dict[str, Any]) -> Table:
+    table = Table(title="What paging saved (same trace, same KV budget)", title_justify="left",
+                  caption=SAVINGS_CAPTION, caption_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("allocator", no_wrap=True)
+    for name in ("peak", "used", "paging saved", "%", "seqs fit"):
+        table.add_column(name, justify="right", no_wrap=True)
+    paging = cf["paging"]
+    table.add_row("paged (this run)", human_bytes(paging["peak_bytes"]), pct(paging["used_fraction"]),
+                  "-", "-", str(paging["effective_batch_capacity"]), style="bold green")
+    for policy, label in POLICY_LABELS.items():
+        p = cf[policy]
+        table.add_row(label, human_bytes(p["peak_bytes"]), pct(p["used_fraction"]),
+                      human_bytes(p["paging_saved_bytes"]), pct(p["paging_saved_fraction"]),
+                      str(p["effective_batch_capacity"]))
+    return table
+
+
+def arena_table(arena: dict[str, Any]) -> Table:
+    return _kv_table("First-fit contiguous arena of the same size (prompt + max_tokens each)", [
+        ("requests placed", f"{arena['allocations']:,}"),
+        ("failed: external fragmentation", f"{arena['failed_external_fragmentation']:,}"),
+        ("failed: out of memory", f"{arena['failed_out_of_memory']:,}"),
+        ("most holes at once", f"{arena['peak_holes']:,}"),
+    ])
+
+
+def events_table(s: dict[str, Any]) -> Table:
+    return _kv_table("Prefix cache, copy-on-write, preemption", [
+        ("prefix cache hits", f"{s['prefix_cache_hit_tokens']:,} of {s['prefix_cache_query_tokens']:,} "
+                              f"prompt tokens ({pct(s['prefix_cache_hit_rate'])})"),
+        ("copy-on-write block copies", f"{s['cow_copies']:,}"),
+        ("preemptions", f"{s['preemptions']:,}"),
+        ("tokens recomputed after preemption", f"{s['recomputed_tokens']:,}"),
+        ("cached blocks evicted", f"{s['evictions']:,}"),
+    ])
+
+
+def report_renderable(report: dict[str, Any]) -> Group:
+    pool, summary, cf = report["pool"], report["summary"], report["counterfactual"]
+    return Group(pool_table(pool), peak_table(pool, summary), savings_table(cf),
+                 arena_table(cf["first_fit_arena"]), events_table(summary))
+
+
+def render_report(report: dict[str, Any], console: Console | None = None) -> None:
+    (console or Console()).print(report_renderable(report))

@@ -1,0 +1,191 @@
+"""The memory tracker: samples the KV pool after every engine step (contract section 6).
+
+Everything here is O(running sequences) per step and bounded in memory: the timeline keeps
+every k-th step (k doubles as the run grows) plus the peak; the block tables are captured at
+the peak and at a few evenly spaced steps for `inspect-memory --step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagedgen.memory.counterfactual import CounterfactualReplay
+from pagedgen.memory.sampled_series import SampledSeries
+from pagedgen.memory.seq_info import SeqMemInfo
+
+if TYPE_CHECKING:
+    from pagedgen.engine.block_pool import PoolSnapshot
+
+__all__ = ["MemoryTracker", "SeqMemInfo", "StepSample", "TableSnapshot"]
+
+
+@dataclass(slots=True)
+class StepSample:
+    """One point of the timeline; reservations are the counterfactual policies' slots."""
+    step: int
+    blocks_used: int
+    blocks_shared: int
+    blocks_cached_free: int
+    logical_blocks: int
+    tokens_stored: int
+    running: int
+    waiting: int
+    preemptions: int
+    recomputed_tokens: int
+    static_max_model_len_tokens: int
+    static_request_tokens: int
+    dynamic_doubling_tokens: int
+
+
+@dataclass(slots=True)
+class TableSnapshot:
+    """Block tables at one step, stored raw: ref counts are derived when the report is built
+    (a block's ref count is the number of table entries holding it, the manager's invariant),
+    so that capturing at every new peak costs only list copies."""
+    step: int
+    sample: StepSample
+    tables: dict[int, list[int]]
+    running: dict[int, SeqMemInfo]
+    cached_free_blocks: list[int] | None   # None: the caller could not say which blocks
+
+
+@dataclass(slots=True)
+class UtilizationMean:
+    total: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens_stored: int, slots: int) -> None:
+        if slots > 0:   # an empty pool has no utilization to speak of
+            self.total += tokens_stored / slots
+            self.steps += 1
+
+    @property
+    def value(self) -> float:
+        return self.total / self.steps if self.steps else 0.0
+
+
+def _positive(name: str, value: int) -> int:
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"MemoryTracker: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def capture_tables(step: int, sample: StepSample, running: Sequence[SeqMemInfo],
+                   block_tables: Callable[[], dict[int, list[int]]],
+                   cached_free_blocks: Callable[[], list[int]] | None) -> TableSnapshot:
+    # SeqMemInfo objects are copied: the engine may reuse them for the next step.
+    infos = {seq.seq_id: SeqMemInfo(seq.seq_id, seq.request_id, seq.sample_index, seq.num_tokens,
+                                    seq.prompt_tokens, seq.max_tokens) for seq in running}
+    cached = sorted(cached_free_blocks()) if cached_free_blocks else None
+    return TableSnapshot(step, sample, block_tables(), infos, cached)
+
+
+@dataclass(slots=True)
+class MemoryTracker:
+    block_size: int
+    num_blocks: int
+    bytes_per_token: int
+    dtype: str
+    max_model_len: int
+    max_timeline_points: int = 2000
+    max_table_snapshots: int = 16
+    # The model's KV shape, optional: only the address translation of inspect-memory needs it.
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    timeline: SampledSeries[StepSample] = field(init=False)
+    table_snapshots: SampledSeries[TableSnapshot] = field(init=False)
+    replay: CounterfactualReplay = field(init=False)
+    utilization: UtilizationMean = field(default_factory=UtilizationMean, init=False)
+    peak: StepSample | None = field(default=None, init=False)
+    peak_tables: TableSnapshot | None = field(default=None, init=False)
+    last: StepSample | None = field(default=None, init=False)
+    peak_running: int = field(default=0, init=False)
+    peak_running_step: int = field(default=-1, init=False)
+    paging_slot_steps: int = field(default=0, init=False)   # sum over steps of allocated slots
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "bytes_per_token", "max_model_len",
+                     "max_timeline_points", "max_table_snapshots"):
+            _positive(name, getattr(self, name))
+        self._check_layout()
+        self.timeline = SampledSeries(self.max_timeline_points)
+        self.table_snapshots = SampledSeries(self.max_table_snapshots)
+        self.replay = CounterfactualReplay(self.max_model_len, self.num_blocks * self.block_size)
+
+    def _check_layout(self) -> None:
+        shape = (self.num_layers, self.num_kv_heads, self.head_dim)
+        if shape == (None, None, None):
+            return
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            _positive(name, getattr(self, name))
+        elements = 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        if self.bytes_per_token % elements:
+            raise ValueError(f"MemoryTracker: bytes_per_token={self.bytes_per_token} is not a multiple "
+                             f"of 2 x num_layers x num_kv_heads x head_dim = {elements}")
+
+    @property
+    def layout(self) -> dict[str, int] | None:
+        if self.num_layers is None:
+            return None
+        elements = 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "dtype_bytes": self.bytes_per_token // elements}
+
+    @property
+    def steps_recorded(self) -> int:
+        return self.timeline.offered
+
+    def record(self, step: int, snapshot: PoolSnapshot, running: Sequence[SeqMemInfo],
+               num_waiting: int, preemptions: int, recomputed_tokens: int,
+               block_tables: Callable[[], dict[int, list[int]]],
+               ref_count: Callable[[int], int] | None = None,
+               cached_free_blocks: Callable[[], list[int]] | None = None) -> None:
+        """Called by the engine after every step. preemptions / recomputed_tokens are the
+        engine's running totals (cumulative), so a sampled timeline loses nothing.
+        block_tables() (fresh lists) and cached_free_blocks() (ids of ref-0 blocks still
+        hashed; optional) are called only at a new peak and at sampled snapshot steps.
+        ref_count is not called: a block's ref count is the number of table entries holding
+        it (the manager's invariant, checked by the tests), and counting those when the report
+        is built costs nothing per step, where a call per block at every peak would not."""
+        if snapshot.num_blocks != self.num_blocks:
+            raise ValueError(f"snapshot.num_blocks={snapshot.num_blocks} but the tracker was "
+                             f"built for num_blocks={self.num_blocks}")
+        sample = self._sample(step, snapshot, running, num_waiting, preemptions, recomputed_tokens)
+        slots = snapshot.blocks_used * self.block_size
+        self.utilization.add(snapshot.tokens_stored, slots)
+        self.paging_slot_steps += slots
+        is_peak = self.peak is None or sample.blocks_used > self.peak.blocks_used
+        tables = (block_tables, cached_free_blocks)
+        if is_peak:
+            self.peak = sample
+            self.peak_tables = capture_tables(step, sample, running, *tables)
+        if self.table_snapshots.wants():
+            snap = self.peak_tables if is_peak else capture_tables(step, sample, running, *tables)
+            self.table_snapshots.append(snap)
+        else:
+            self.table_snapshots.skip()   # off the grid: not worth calling block_tables()
+        self.timeline.append(sample, pinned=is_peak)
+        self._track_concurrency(step, len(running))
+        self.last = sample
+
+    def _sample(self, step: int, snapshot: PoolSnapshot, running: Sequence[SeqMemInfo],
+                num_waiting: int, preemptions: int, recomputed_tokens: int) -> StepSample:
+        reserved = self.replay.update(step, running)
+        return StepSample(
+            step, snapshot.blocks_used, snapshot.blocks_shared, snapshot.blocks_cached_free,
+            snapshot.logical_blocks, snapshot.tokens_stored, len(running), num_waiting,
+            preemptions, recomputed_tokens, reserved.static_max_model_len,
+            reserved.static_request, reserved.dynamic_doubling)
+
+    def _track_concurrency(self, step: int, running: int) -> None:
+        if running > self.peak_running:
+            self.peak_running, self.peak_running_step = running, step
+
+    def snapshot_at(self, step: int) -> TableSnapshot | None:
+        """The block tables recorded at this step, if that step was kept."""
+        if self.peak_tables is not None and self.peak_tables.step == step:
+            return self.peak_tables
+        return next((s for s in self.table_snapshots.items() if s and s.step == step), None)

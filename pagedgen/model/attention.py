@@ -1,0 +1,85 @@
+"""Self-attention over the paged KV cache, and the per-step metadata all layers share.
+
+The kernel module is picked per device (pagedgen.kernels.get_ops: Triton on CUDA, torch on
+CPU) and travels in the step metadata, so the decoder itself is device-agnostic. Anything
+derived from the batch shape alone (the CPU attention plan, RoPE rows) is built once per step
+here, not once per layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedgen.model.config import ModelConfig
+from pagedgen.model.layers import empty_parameter, rms_norm
+from pagedgen.model.rope import apply_rope
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    """Everything a layer needs about the flat batch beyond its hidden states."""
+
+    ops: ModuleType  # pagedgen.kernels.torch_ops or triton_ops
+    slot_mapping: torch.Tensor  # int64 [T]: cache slot each new token's K/V goes to
+    block_tables: torch.Tensor  # int32 [S, max_blocks], padded with 0
+    seq_lens: torch.Tensor  # int32 [S]: context length after this step
+    query_start_loc: torch.Tensor  # int32 [S + 1]: rows of sequence s in the flat batch
+    rope: torch.Tensor  # [T, 2, D/2]: cos/sin rows of the tokens' positions
+    plan: Any = None  # kernel-specific precomputation (torch_ops.AttentionPlan), or None
+
+
+def build_step_metadata(ops: ModuleType, *, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, rope: torch.Tensor,
+                        block_size: int) -> StepMetadata:
+    """Metadata plus the kernels' once-per-step plan when the kernel module offers one."""
+    planner = getattr(ops, "plan_attention", None)
+    plan = planner(block_tables, seq_lens, query_start_loc, block_size) if planner else None
+    return StepMetadata(ops=ops, slot_mapping=slot_mapping, block_tables=block_tables,
+                        seq_lens=seq_lens, query_start_loc=query_start_loc, rope=rope, plan=plan)
+
+
+class PagedSelfAttention(nn.Module):
+    """q/k/v in one GEMM, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention, o_proj."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim ** -0.5
+        self.eps = config.rms_norm_eps
+        self.qkv_weight = empty_parameter(self.q_size + 2 * self.kv_size, config.hidden_size)
+        self.qkv_bias = empty_parameter(self.q_size + 2 * self.kv_size) if config.attention_bias else None
+        self.o_weight = empty_parameter(config.hidden_size, self.q_size)
+        self.o_bias = empty_parameter(config.hidden_size) if config.attention_output_bias else None
+        # Qwen3's q_norm and k_norm weights, one row per head, so q and k are normed in one op.
+        self.qk_norm_weight = (empty_parameter(self.num_heads + self.num_kv_heads, self.head_dim)
+                               if config.qk_norm else None)
+
+    def forward(self, hidden: torch.Tensor, step: StepMetadata, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
+        # q and k are adjacent columns of qkv: normalise and rotate them together.
+        qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads,
+                                                      self.head_dim)
+        if self.qk_norm_weight is not None:
+            qk = rms_norm(qk, self.qk_norm_weight, self.eps)
+        qk = apply_rope(qk, step.rope)
+        query, key = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        value = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        step.ops.store_kv(key, value, k_cache, v_cache, step.slot_mapping)
+        attended = self._paged_attention(query, step, k_cache, v_cache)
+        return F.linear(attended.reshape(tokens, self.q_size), self.o_weight, self.o_bias)
+
+    def _paged_attention(self, query, step: StepMetadata, k_cache, v_cache) -> torch.Tensor:
+        args = (query, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start_loc,
+                self.scale)
+        if step.plan is None:
+            return step.ops.paged_attention(*args)
+        return step.ops.paged_attention(*args, plan=step.plan)

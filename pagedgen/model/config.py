@@ -1,0 +1,97 @@
+"""ModelConfig: the handful of numbers the decoder needs, read robustly from config.json.
+
+transformers 5.x writes rope settings as ``rope_parameters`` ({"rope_type", "rope_theta", ...});
+4.x wrote ``rope_theta`` at the top level and ``rope_scaling`` ({"type" or "rope_type", ...}).
+Both spellings are accepted here so that folders saved by either version load.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+# model_type -> architecture, for configs that omit "architectures" (and for GGUF files).
+MODEL_TYPE_TO_ARCHITECTURE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# "freq_factors" is internal: llama.cpp files store Llama 3 scaling as a rope_freqs tensor.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint describes a model this runtime cannot run; the message says why."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None or {"rope_type": "linear" | "llama3", ...}
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on the q, k and v projections (Qwen2 always has it)
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    attention_output_bias: bool = False  # Llama's attention_bias also puts a bias on o_proj
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | str) -> int:
+        """Bytes of K and V one token occupies across all layers in a cache of `dtype`."""
+        from pagedgen.model.kv_cache import kv_bytes_per_token
+
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Build from a config.json mapping (transformers 4.x or 5.x spelling)."""
+        from pagedgen.model.hf_config import model_config_from_hf
+
+        return model_config_from_hf(raw)
+
+
+def _validate(cfg: ModelConfig) -> None:
+    if cfg.architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {cfg.architecture!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "max_position_embeddings"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value <= 0:
+            raise UnsupportedModelError(f"config field {name} must be a positive integer, got {value!r}")
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise UnsupportedModelError(
+            f"num_heads ({cfg.num_heads}) must be a multiple of num_kv_heads ({cfg.num_kv_heads})")
+    if cfg.head_dim % 2:
+        raise UnsupportedModelError(f"head_dim must be even for RoPE, got {cfg.head_dim}")
+    rope_type = (cfg.rope_scaling or {}).get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")

@@ -1,0 +1,161 @@
+"""Single-file GGUF models (llama.cpp's format) through the `gguf` package.
+
+Tensors are dequantized to float32 with gguf.quants.dequantize (F32, F16, BF16, Q8_0, Q4_0,
+Q4_1, Q4_K, Q6_K and the other types it knows), renamed to transformers' names, and, for
+llama-architecture files, Q/K rows are put back in transformers' order: llama.cpp's converter
+permutes them to suit its own RoPE layout.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from pagedgen.model.config import ModelConfig, UnsupportedModelError
+
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# llama.cpp's converter permutes Q/K only for these (the others use NeoX-style RoPE there too).
+PERMUTED_QK_ARCHITECTURES = ("llama",)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 files: rope scaling stored as per-frequency factors
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError) as error:
+        raise ValueError(f"cannot read GGUF file {path}: {error}") from error
+
+
+def field(reader: GGUFReader, key: str, default=None):
+    entry = reader.fields.get(key)
+    return default if entry is None else entry.contents()
+
+
+def gguf_architecture(reader: GGUFReader) -> str:
+    arch = field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"GGUF general.architecture={arch!r} is not supported; "
+                                    f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+    return arch
+
+
+def gguf_model_config(reader: GGUFReader) -> ModelConfig:
+    arch = gguf_architecture(reader)
+    names = {t.name for t in reader.tensors}
+
+    def required(key: str) -> int:
+        value = field(reader, f"{arch}.{key}")
+        if value is None:
+            raise UnsupportedModelError(f"GGUF file lacks the metadata field {arch}.{key}")
+        return int(value)
+
+    hidden, heads = required("embedding_length"), required("attention.head_count")
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(embed.shape[1]),  # ggml lists dimensions fastest-first: [hidden, vocab]
+        hidden_size=hidden,
+        intermediate_size=required("feed_forward_length"),
+        num_layers=required("block_count"),
+        num_heads=heads,
+        num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch),
+        max_position_embeddings=required("context_length"),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        attention_output_bias="blk.0.attn_output.bias" in names,
+    )
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        return {"rope_type": "freq_factors", "freq_factors": _to_numpy(freqs).tolist()}
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(field(reader, f"{arch}.rope.scaling.factor"))}
+    raise UnsupportedModelError(f"GGUF {arch}.rope.scaling.type={kind!r} is not supported")
+
+
+def gguf_eos_token_ids(reader: GGUFReader) -> list[int]:
+    """End-of-generation ids the file declares (EOS, and end-of-turn / end-of-message)."""
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    ids = [field(reader, key) for key in keys]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(transformers name, float32 tensor) for every weight, Q/K rows un-permuted."""
+    permuted = gguf_architecture(reader) in PERMUTED_QK_ARCHITECTURES
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue  # folded into config.rope_scaling
+        name = hf_tensor_name(tensor.name)
+        weights = _to_numpy(tensor)
+        if permuted and ".self_attn.q_proj." in name:
+            weights = unpermute_qk(weights, config.num_heads)
+        elif permuted and ".self_attn.k_proj." in name:
+            weights = unpermute_qk(weights, config.num_kv_heads)
+        yield name, torch.from_numpy(weights)
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")  # blk.<i>.<kind>.<weight|bias>
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES:
+        raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} is not part of a supported model")
+    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+
+
+def unpermute_qk(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's permute: within each head, rows were reordered from halves to pairs."""
+    rows = weights.shape[0]
+    rest = weights.shape[1:]
+    grouped = weights.reshape(num_heads, rows // num_heads // 2, 2, *rest)
+    return np.ascontiguousarray(grouped.swapaxes(1, 2)).reshape(weights.shape)
+
+
+def dequantize_tensor(data: np.ndarray, tensor_type) -> np.ndarray:
+    """float32 array in torch's dimension order, writable (so torch can wrap it)."""
+    values = dequantize(data, tensor_type)
+    if values.dtype != np.float32 or not values.flags.writeable:
+        values = np.array(values, dtype=np.float32)
+    return values
+
+
+def _to_numpy(tensor) -> np.ndarray:
+    return dequantize_tensor(tensor.data, tensor.tensor_type)

@@ -1,0 +1,116 @@
+"""KV cache sizing arithmetic and the one start-up allocation (layout: docs/contracts.md §1).
+
+The sizing functions allocate nothing, so `inspect-memory` can answer "how many blocks would
+fit" without loading a model.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# Without an explicit size the pool takes this share of the memory that is free *after* the
+# weights are loaded. CPU memory is shared with the OS and other processes, so it is smaller.
+DEFAULT_KV_MEMORY_FRACTION = {"cuda": 0.9, "cpu": 0.3}
+
+
+def dtype_bytes(dtype: torch.dtype | str) -> int:
+    return _as_dtype(dtype).itemsize
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype | str) -> int:
+    """K and V of one token over all layers: 2 * layers * kv_heads * head_dim * dtype bytes."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes(dtype)
+
+
+def kv_bytes_per_block(bytes_per_token: int, block_size: int) -> int:
+    return bytes_per_token * block_size
+
+
+def blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: int) -> int:
+    """How many whole blocks fit in `budget_bytes` (may be 0)."""
+    if budget_bytes < 0:
+        raise ValueError(f"kv memory budget must be >= 0 bytes, got {budget_bytes}")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    return budget_bytes // kv_bytes_per_block(bytes_per_token, block_size)
+
+
+def available_memory_bytes(device: torch.device | str) -> int:
+    """Free memory now: torch.cuda.mem_get_info on CUDA, MemAvailable of /proc/meminfo on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return _meminfo_available()
+
+
+def _meminfo_available(path: Path = Path("/proc/meminfo")) -> int:
+    for line in path.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024  # the file counts kB
+    raise RuntimeError(f"{path} has no MemAvailable line; pass num_blocks or kv_memory_bytes")
+
+
+def resolve_num_blocks(*, bytes_per_token: int, block_size: int, device: torch.device | str,
+                       num_blocks: int | None = None, kv_memory_bytes: int | None = None,
+                       kv_memory_fraction: float | None = None) -> int:
+    """Pool size from exactly one of: num_blocks, a byte budget, a fraction of free memory.
+
+    With none given, the device's default fraction of free memory is used.
+    """
+    given = [name for name, value in (("num_blocks", num_blocks), ("kv_memory_bytes", kv_memory_bytes),
+                                      ("kv_memory_fraction", kv_memory_fraction)) if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of num_blocks, kv_memory_bytes, kv_memory_fraction; got {given}")
+    if num_blocks is not None:
+        return _checked_num_blocks(num_blocks)
+    budget, source = _budget(kv_memory_bytes, kv_memory_fraction, device)
+    blocks = blocks_for_budget(budget, block_size, bytes_per_token)
+    if blocks < 1:
+        need = kv_bytes_per_block(bytes_per_token, block_size)
+        raise ValueError(f"{source} gives {budget} bytes, less than one KV block ({need} bytes "
+                         f"= {block_size} tokens x {bytes_per_token} bytes/token)")
+    return blocks
+
+
+def _checked_num_blocks(num_blocks: int) -> int:
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+        raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+    return num_blocks
+
+
+def _budget(kv_memory_bytes, kv_memory_fraction, device) -> tuple[int, str]:
+    if kv_memory_bytes is not None:
+        if isinstance(kv_memory_bytes, bool) or not isinstance(kv_memory_bytes, int) or kv_memory_bytes <= 0:
+            raise ValueError(f"kv_memory_bytes must be a positive integer, got {kv_memory_bytes!r}")
+        return kv_memory_bytes, f"kv_memory_bytes={kv_memory_bytes}"
+    device_type = torch.device(device).type
+    fraction = kv_memory_fraction
+    if fraction is None:
+        fraction = DEFAULT_KV_MEMORY_FRACTION.get(device_type, DEFAULT_KV_MEMORY_FRACTION["cpu"])
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"kv_memory_fraction must be in (0, 1], got {fraction!r}")
+    free = available_memory_bytes(device)
+    return int(free * fraction), f"kv_memory_fraction={fraction} of {free} free bytes"
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                      head_dim: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """The one pool for all layers: [L, 2, num_blocks, B, H_kv, D].
+
+    torch.empty, not zeros: every slot is written by store_kv before seq_lens lets a kernel
+    read it, and untouched pages of an empty CPU tensor cost no physical memory.
+    """
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is not a torch dtype name")
+    return resolved

@@ -1,0 +1,70 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over a flat token batch.
+
+No padding and no batch dimension: hidden states are [T, hidden] for all tokens of all
+sequences of the step; which token belongs to which sequence is in StepMetadata.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedgen.model.attention import PagedSelfAttention, StepMetadata
+from pagedgen.model.config import ModelConfig
+from pagedgen.model.layers import GatedMLP, RMSNorm, empty_parameter
+from pagedgen.model.rope import rope_table
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = PagedSelfAttention(config)
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, hidden: torch.Tensor, step: StepMetadata, layer_cache: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.attention(self.input_norm(hidden), step, layer_cache[0], layer_cache[1])
+        return hidden + self.mlp(self.post_attention_norm(hidden))
+
+
+class LlamaDecoder(nn.Module):
+    """Embeddings, decoder layers, final norm, LM head (sharing the embedding when tied)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_weight = empty_parameter(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head_weight = (self.embed_weight if config.tie_word_embeddings
+                               else empty_parameter(config.vocab_size, config.hidden_size))
+        # cos/sin of every position; filled by reset_rope_table() once the device is known.
+        self.register_buffer("rope", torch.empty(0), persistent=False)
+
+    def reset_rope_table(self) -> None:
+        """(Re)compute the RoPE table on the weights' device and dtype."""
+        weight = self.embed_weight
+        self.rope = rope_table(self.config, weight.dtype, weight.device)
+
+    def tie_lm_head(self) -> None:
+        """Make the LM head share the embedding's storage (files without an lm_head)."""
+        self.lm_head_weight = self.embed_weight
+
+    @property
+    def is_tied(self) -> bool:
+        return self.lm_head_weight is self.embed_weight
+
+    def forward(self, input_ids: torch.Tensor, step: StepMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] before the final norm, for every token of the batch.
+
+        kv_cache: [L, 2, N, B, H_kv, D]; the new tokens' K/V are written into it.
+        """
+        hidden = F.embedding(input_ids, self.embed_weight)
+        for layer, layer_cache in zip(self.layers, kv_cache):
+            hidden = layer(hidden, step, layer_cache)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] of the given rows only (the norm is per row, so select first)."""
+        return F.linear(self.norm(hidden), self.lm_head_weight)

@@ -1,0 +1,96 @@
+"""load_model: an HF folder, a .gguf file, or None (the built-in default) -> LoadedModel."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from pagedgen.model import gguf_loader, safetensors_loader, tokenizer as tokenizers
+from pagedgen.model.config import ModelConfig
+from pagedgen.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+from pagedgen.model.dtypes import resolve_dtype
+from pagedgen.model.llama import LlamaDecoder
+from pagedgen.model.weights import load_weights
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module  # LlamaDecoder, in eval mode, weights on `device` in `dtype`
+    tokenizer: PreTrainedTokenizerBase
+    config: ModelConfig
+    name: str
+    eos_token_ids: list[int]
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+def load_model(model: str | Path | None, dtype: str | torch.dtype | None = None,
+               device: str | torch.device = "cpu") -> LoadedModel:
+    """Load weights (safetensors or GGUF only) and the tokenizer.
+
+    model: an HF folder (config.json + safetensors), a .gguf file, a folder holding exactly one
+    .gguf file, or None for the built-in SmolLM2-135M-Instruct. Nothing is downloaded.
+    """
+    device = torch.device(device)
+    run_dtype = resolve_dtype(dtype, device)
+    if model is None:
+        return _load_gguf(default_model_path(), run_dtype, device, DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if safetensors_loader.is_hf_folder(path):
+        return _load_hf_folder(path, run_dtype, device)
+    gguf_file = _single_gguf(path)
+    if gguf_file is not None:
+        return _load_gguf(gguf_file, run_dtype, device, gguf_file.name)
+    raise ValueError(f"model {str(model)!r} is neither a folder with config.json nor a .gguf file "
+                     "(hub ids are not fetched: pagedgen runs offline; download the folder first)")
+
+
+def _single_gguf(path: Path) -> Path | None:
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise ValueError(f"model folder {path} holds several .gguf files; pass one of them: "
+                             f"{[p.name for p in found]}")
+        return found[0] if found else None
+    return None
+
+
+def _load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    config, raw = safetensors_loader.read_hf_config(folder)
+    decoder = build_decoder(config, safetensors_loader.iter_safetensors(folder), dtype, device)
+    tokenizer = tokenizers.load_folder_tokenizer(folder)
+    eos = tokenizers.merge_eos_ids(tokenizer, tokenizers.folder_eos_token_ids(folder, raw))
+    return LoadedModel(model=decoder, tokenizer=tokenizer, config=decoder.config, name=folder.name,
+                       eos_token_ids=eos, dtype=dtype, device=device)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str) -> LoadedModel:
+    reader = gguf_loader.open_gguf(path)
+    config = gguf_loader.gguf_model_config(reader)
+    decoder = build_decoder(config, gguf_loader.iter_gguf_tensors(reader, config), dtype, device)
+    tokenizer = tokenizers.load_gguf_tokenizer(path)
+    eos = tokenizers.merge_eos_ids(tokenizer, gguf_loader.gguf_eos_token_ids(reader))
+    return LoadedModel(model=decoder, tokenizer=tokenizer, config=decoder.config, name=name,
+                       eos_token_ids=eos, dtype=dtype, device=device)
+
+
+def build_decoder(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
+                  dtype: torch.dtype, device: torch.device) -> LlamaDecoder:
+    """Decoder with uninitialised storage (built on 'meta', then materialised), then filled."""
+    with torch.device("meta"):
+        decoder = LlamaDecoder(config).to(dtype)  # dtype first: storage is allocated once
+    decoder = decoder.to_empty(device=device)
+    if config.tie_word_embeddings:
+        decoder.tie_lm_head()  # to_empty made two tensors of the one shared parameter
+    load_weights(decoder, tensors)
+    if decoder.is_tied and not config.tie_word_embeddings:
+        # The file had no lm_head: record what the model really is.
+        decoder.config.tie_word_embeddings = True
+    decoder.reset_rope_table()
+    return decoder.eval().requires_grad_(False)

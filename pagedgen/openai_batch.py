@@ -1,0 +1,168 @@
+"""The OpenAI Batch API format: request lines in, batch output records out.
+
+In:  {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+Out: {"id": "batch_req_...", "custom_id": "r1",
+      "response": {"status_code": 200, "request_id": "...", "body": <chat.completion or
+                   text_completion object with choices and usage>},
+      "error": null}
+A request that cannot run is answered with "response": null and "error": {"code", "message"}
+(written to the errors file, as OpenAI's own batches put failures in a separate error file).
+
+This module only translates; requests.py validates the translated values.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedgen.output_writer import SampleResult, TokenLogprob
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+LINE_KEYS = ("custom_id", "method", "url", "body")
+
+# Body fields with the same meaning in SamplingParams (the last six are vLLM's extensions).
+_DIRECT = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "stop",
+           "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids")
+# Fields that do not change what is generated offline: accepted and ignored, so existing
+# batch files run unchanged ("model" is whatever the config loads).
+_IGNORED = ("model", "user", "metadata", "store", "service_tier", "stream_options")
+# Fields accepted only at their no-op value.
+_NO_OP = {"stream": (False,), "echo": (False,), "best_of": (None, 1), "logit_bias": (None, {}),
+          "suffix": (None, ""), "response_format": (None, {"type": "text"})}
+
+
+@dataclass(slots=True)
+class BatchLine:
+    custom_id: str
+    url: str
+    prompt_kind: str                  # "messages", "prompt" or "prompt_token_ids"
+    prompt: Any
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+def is_batch_line(obj: dict[str, Any]) -> bool:
+    return "custom_id" in obj or ("url" in obj and "body" in obj)
+
+
+def _check_envelope(obj: dict[str, Any]) -> None:
+    extra = [k for k in obj if k not in LINE_KEYS]
+    if extra:
+        raise ValueError(f"unknown key {extra[0]!r} in a batch line (allowed: {', '.join(LINE_KEYS)})")
+    if not isinstance(obj.get("custom_id"), str) or not obj["custom_id"]:
+        raise ValueError("'custom_id' must be a non-empty string")
+    if obj.get("method", "POST") != "POST":
+        raise ValueError(f"'method' must be 'POST', got {obj.get('method')!r}")
+    if obj.get("url") not in (CHAT_URL, COMPLETIONS_URL):
+        raise ValueError(f"'url' must be {CHAT_URL!r} or {COMPLETIONS_URL!r}, got {obj.get('url')!r}")
+    if not isinstance(obj.get("body"), dict):
+        raise ValueError("'body' must be an object")
+
+
+def _completion_prompt(body: dict[str, Any]) -> tuple[str, Any]:
+    """/v1/completions prompt: a string, token ids, or a list holding exactly one of them."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise ValueError("body.prompt holds several prompts; use one batch line per prompt")
+    return ("prompt" if isinstance(prompt, str) or prompt is None else "prompt_token_ids"), prompt
+
+
+def _logprobs(url: str, body: dict[str, Any]) -> int | None:
+    """Chat: logprobs is a bool and top_logprobs the count; completions: logprobs is the count."""
+    if url == COMPLETIONS_URL:
+        return body.get("logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and body.get("logprobs") is not True:
+        raise ValueError("body.top_logprobs needs body.logprobs = true")
+    if body.get("logprobs") not in (None, True, False):
+        raise ValueError(f"body.logprobs must be true or false, got {body.get('logprobs')!r}")
+    return (top or 0) if body.get("logprobs") else None
+
+
+def _sampling(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    sampling = {k: body[k] for k in _DIRECT if body.get(k) is not None}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    logprobs = _logprobs(url, body)
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
+    return sampling
+
+
+def _check_body_keys(url: str, body: dict[str, Any]) -> None:
+    known = {*_DIRECT, *_IGNORED, "max_tokens", "max_completion_tokens", "logprobs",
+             "messages" if url == CHAT_URL else "prompt", *(("top_logprobs",) if url == CHAT_URL else ())}
+    for key, value in body.items():
+        if key in _NO_OP:
+            if value not in _NO_OP[key]:
+                raise ValueError(f"body.{key} = {value!r} is not supported offline")
+        elif key not in known:
+            raise ValueError(f"body.{key} is not supported")
+
+
+def parse_batch_line(obj: dict[str, Any]) -> BatchLine:
+    """Translate one batch line; ValueError says what is wrong."""
+    _check_envelope(obj)
+    url, body = obj["url"], obj["body"]
+    _check_body_keys(url, body)
+    if url == CHAT_URL:
+        kind, prompt = "messages", body.get("messages")
+    else:
+        kind, prompt = _completion_prompt(body)
+    return BatchLine(obj["custom_id"], url, kind, prompt, _sampling(url, body))
+
+
+# --- output ---
+
+def _chat_logprobs(tokens: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    content = [{**entry(t.token, t.logprob), "top_logprobs": [entry(a.token, a.logprob) for a in t.top]}
+               for t in tokens]
+    return {"content": content, "refusal": None}
+
+
+def _completion_logprobs(tokens: list[TokenLogprob]) -> dict[str, Any]:
+    offsets, position = [], 0
+    for t in tokens:
+        offsets.append(position)
+        position += len(t.token)
+    return {"tokens": [t.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in tokens],
+            "text_offset": offsets}
+
+
+def _choice(url: str, sample: SampleResult) -> dict[str, Any]:
+    if url == CHAT_URL:
+        logprobs = None if sample.logprobs is None else _chat_logprobs(sample.logprobs)
+        return {"index": sample.index, "message": {"role": "assistant", "content": sample.text},
+                "logprobs": logprobs, "finish_reason": sample.finish_reason}
+    logprobs = None if sample.logprobs is None else _completion_logprobs(sample.logprobs)
+    return {"index": sample.index, "text": sample.text, "logprobs": logprobs,
+            "finish_reason": sample.finish_reason}
+
+
+def response_record(custom_id: str, url: str, model: str, samples: list[SampleResult],
+                    usage: dict[str, Any]) -> dict[str, Any]:
+    """A successful batch output line."""
+    chat = url == CHAT_URL
+    body = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model,
+            "choices": [_choice(url, s) for s in samples], "usage": usage}
+    return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body},
+            "error": None}
+
+
+def error_record(custom_id: str | None, line: int, message: str) -> dict[str, Any]:
+    """A failed batch output line (custom_id is None when the line was unreadable)."""
+    return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id, "response": None,
+            "error": {"code": "invalid_request", "message": message, "line": line}}

@@ -1,0 +1,59 @@
+"""What `LLM.generate` returns, in vLLM's shape (RequestOutput holding CompletionOutputs)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    """Log-probability of one token at one position, under the raw model distribution."""
+
+    logprob: float
+    rank: int                          # 1 = the most likely token at that position
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int                         # sample index within the request (0 .. n-1)
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float          # sum of the sampled tokens' raw logprobs
+    logprobs: list[dict[int, Logprob]] | None  # per generated position, when asked for
+    finish_reason: str | None          # "stop" or "length"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int             # over all n samples
+    cached_prompt_tokens: int          # prompt tokens served from the prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    usage: Usage
+    error: str | None = None           # set when the request could not be served at all
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready data (Logprob entries keyed by str(token id), as JSON requires)."""
+        data = asdict(self)
+        for output in data["outputs"]:
+            if output["logprobs"] is not None:
+                output["logprobs"] = [{str(t): lp for t, lp in pos.items()} for pos in output["logprobs"]]
+        return data

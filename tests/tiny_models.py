@@ -1,0 +1,148 @@
+"""Tiny random models and an offline tokenizer, built at test time (nothing downloaded).
+
+Shared by every test file that needs a model:
+
+    from tiny_models import tiny_loaded_model, tiny_model_dir, tiny_tokenizer   # tests/ is on sys.path
+    loaded = tiny_loaded_model("llama")                 # pagedgen LoadedModel, float32
+    folder = tiny_model_dir("qwen3", tied=True)          # HF folder: config + safetensors + tokenizer
+    hf = tiny_hf_model("mistral")                        # the transformers model of that folder
+
+Everything is cached per process (xdist workers each build their own, in a temp folder removed
+at exit). Building a model folder takes well under a second; the tokenizer ~0.1 s.
+Weights are random but deterministic (seeded), with norms and biases perturbed away from
+their 1/0 init so that loading them wrongly changes the output.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+
+ARCHITECTURES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_TOKEN = "<|im_end|>"
+TOKENIZER_VOCAB = 512
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Small stdlib modules with English prose and code: a varied corpus present on every machine.
+_CORPUS_MODULES = ("textwrap.py", "string.py", "glob.py", "fnmatch.py", "this.py")
+
+_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+               initializer_range=0.1)
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@functools.cache
+def _workdir() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="pagedgen-tiny-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+@functools.cache
+def tiny_tokenizer():
+    """Byte-level BPE (512 tokens) trained on a few stdlib files, with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    backend.train([str(stdlib / name) for name in _CORPUS_MODULES], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN,
+                                   pad_token="<|endoftext|>", bos_token="<|im_start|>",
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def hf_config(arch: str, tied: bool = False):
+    """The transformers config of a tiny model of `arch` (one of ARCHITECTURES)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    tokenizer = tiny_tokenizer()
+    ids = dict(vocab_size=len(tokenizer), tie_word_embeddings=tied,
+               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+               bos_token_id=tokenizer.bos_token_id)
+    if arch == "llama":
+        return LlamaConfig(**_COMMON, **ids)
+    if arch == "llama3_rope":
+        return LlamaConfig(**_COMMON, **ids, rope_parameters=dict(_LLAMA3_ROPE))
+    if arch == "mistral":
+        return MistralConfig(**_COMMON, **ids, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if arch == "qwen2":
+        return Qwen2Config(**_COMMON, **ids)
+    if arch == "qwen3":
+        return Qwen3Config(**_COMMON, **ids, head_dim=32)  # head_dim != hidden / heads, as in Qwen3
+    raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+
+
+@functools.cache
+def tiny_model_dir(arch: str = "llama", tied: bool = False, seed: int = 0) -> Path:
+    """An HF model folder (float32 safetensors, config, tokenizer) of a tiny random model."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's shard bar is noise in test logs
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, tied), dtype=torch.float32)
+    _perturb_norms_and_biases(model, seed)
+    model.generation_config.eos_token_id = None  # see tiny_hf_model
+    folder = _workdir() / f"{arch}-{'tied' if tied else 'untied'}-{seed}"
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def _perturb_norms_and_biases(model, seed: int) -> None:
+    """Init leaves norms at 1 and biases at 0; random values make a mis-loaded one visible."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                base = 1.0 if "norm" in name else 0.0
+                param.copy_(base + 0.1 * torch.randn(param.shape, generator=gen))
+
+
+@functools.cache
+def tiny_hf_model(arch: str = "llama", tied: bool = False, seed: int = 0):
+    """transformers' model of tiny_model_dir(...), float32, eval, never stopping early.
+
+    generation_config.eos_token_id = None (with a pad id) makes generate() behave like
+    ignore_eos without masking the EOS logit (min_new_tokens would change the argmax).
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch, tied, seed), dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = tiny_tokenizer().pad_token_id
+    return model.eval()
+
+
+@functools.cache
+def tiny_loaded_model(arch: str = "llama", tied: bool = False, dtype: torch.dtype = torch.float32,
+                      seed: int = 0):
+    """pagedgen's LoadedModel of tiny_model_dir(...) on CPU. Shared: do not modify it."""
+    from pagedgen.model.loader import load_model
+
+    return load_model(str(tiny_model_dir(arch, tied, seed)), dtype=dtype, device="cpu")
+
+
+def sequential_block_tables(lengths: list[int], block_size: int, first_block: int = 0) -> list[list[int]]:
+    """A stand-in for the KV manager: sequence s gets the next ceil(len/B) block ids in order."""
+    tables, next_block = [], first_block
+    for length in lengths:
+        count = -(-length // block_size)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    return tables
