@@ -5,11 +5,11 @@ metadata and run once per step, when a plan is built.
 """
 from __future__ import annotations
 
-import torch
+from torch import Tensor
 
 
-def check_store_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> None:
+def check_store_args(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                     slot_mapping: Tensor) -> None:
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(f"key and value must both be [T, H_kv, D], got {tuple(key.shape)} "
                          f"and {tuple(value.shape)}")
@@ -23,15 +23,17 @@ def check_store_args(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tens
                          f"got {tuple(slot_mapping.shape)}")
 
 
-def check_copy_args(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+def check_copy_args(kv_cache: Tensor, src: Tensor, dst: Tensor) -> None:
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
-        raise ValueError(f"kv_cache must be [L, 2, N, B, H, D], got shape {tuple(kv_cache.shape)}")
+        raise ValueError(f"kv_cache must be [L, 2, N, B, H, D], "
+                         f"got shape {tuple(kv_cache.shape)}")
     if src.shape != dst.shape or src.dim() != 1:
         raise ValueError(f"src and dst must be 1-D of equal length, got {tuple(src.shape)} "
                          f"and {tuple(dst.shape)}")
 
 
-def check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check_attention_args(query: Tensor, k_cache: Tensor,
+                         v_cache: Tensor) -> None:
     if query.dim() != 3:
         raise ValueError(f"query must be [T, H_q, D], got shape {tuple(query.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -45,7 +47,8 @@ def check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                          f"({num_kv_heads})")
 
 
-def check_plan_fits(block_size: int, num_tokens: int, query: torch.Tensor, k_cache: torch.Tensor) -> None:
+def check_plan_fits(block_size: int, num_tokens: int, query: Tensor,
+                    k_cache: Tensor) -> None:
     if block_size != k_cache.shape[1]:
         raise ValueError(f"plan was built for block_size {block_size}, "
                          f"k_cache has {k_cache.shape[1]}")
@@ -54,12 +57,13 @@ def check_plan_fits(block_size: int, num_tokens: int, query: torch.Tensor, k_cac
                          f"(the plan's) is {num_tokens}")
 
 
-def check_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+def check_metadata(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                    block_size: int) -> None:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if block_tables.dim() != 2:
-        raise ValueError(f"block_tables must be [S, max_blocks], got shape {tuple(block_tables.shape)}")
+        raise ValueError(f"block_tables must be [S, max_blocks], "
+                         f"got shape {tuple(block_tables.shape)}")
     num_seqs = block_tables.shape[0]
     if seq_lens.shape != (num_seqs,):
         raise ValueError(f"seq_lens must have shape ({num_seqs},), got {tuple(seq_lens.shape)}")
@@ -68,11 +72,13 @@ def check_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
                          f"got {tuple(query_start_loc.shape)}")
 
 
-def check_lengths(tables: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor, block_size: int) -> None:
+def check_lengths(tables: Tensor, seq_lens: Tensor, q_lens: Tensor,
+                  block_size: int) -> None:
     if bool((q_lens < 0).any()):
         raise ValueError("query_start_loc must be non-decreasing")
     if bool((q_lens > seq_lens).any()):
-        raise ValueError("seq_lens must be >= each sequence's query length (query_start_loc diff)")
+        raise ValueError("seq_lens must be >= each sequence's query length "
+                         "(query_start_loc diff)")
     if bool((seq_lens > tables.shape[1] * block_size).any()):
         raise ValueError(f"seq_lens exceed block_tables capacity ({tables.shape[1]} blocks "
                          f"of {block_size})")

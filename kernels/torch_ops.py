@@ -55,7 +55,7 @@ def paged_attention(
     if plan is None:
         plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     check_plan_fits(plan.block_size, plan.num_tokens, query, k_cache)
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous
     if plan.decode is not None:
         _attend_decodes(query, k_cache, v_cache, plan, scale, out)
     for chunk in plan.prefills:

@@ -93,10 +93,10 @@ def run(
                                              "lines or OpenAI Batch API lines."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (see configs/)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o",
-                                          help="Completions JSONL [default: INPUT.completions.jsonl]."),
-    errors: Optional[Path] = typer.Option(None, "--errors", help="[default: OUTPUT.errors.jsonl]"),
+                                          help="Completions JSONL (default: INPUT.completions.jsonl next to the input)."),
+    errors: Optional[Path] = typer.Option(None, "--errors", help="Error records (default: OUTPUT.errors.jsonl)."),
     report_dir: Optional[Path] = typer.Option(None, "--report-dir",
-                                              help="Memory report folder [default: OUTPUT.report/]."),
+                                              help="Memory report folder (default: OUTPUT.report/)."),
     no_report: bool = typer.Option(False, "--no-report", help="Skip the memory report."),
     ordered: Optional[bool] = typer.Option(None, "--ordered/--no-ordered",
                                            help="Also write OUTPUT.ordered.jsonl in input order."),
@@ -104,8 +104,8 @@ def run(
     overwrite: bool = typer.Option(False, "--overwrite", help="Start over if the output exists."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or report summary."),
     model: Optional[str] = typer.Option(None, "--model", help="HF folder, .gguf file, or 'default'."),
-    dtype: Optional[str] = typer.Option(None, "--dtype"),
-    device: Optional[str] = typer.Option(None, "--device"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16, float16."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
     block_size: Optional[int] = typer.Option(None, "--block-size"),
     kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="KV pool size, e.g. 2GiB."),
     num_blocks: Optional[int] = typer.Option(None, "--num-blocks"),
@@ -124,7 +124,7 @@ def run(
                                        help="Any config key, e.g. --set sampling.min_p=0.05."),
 ) -> None:
     """Generate completions for every request in PROMPTS (resumable; nothing finished is lost)."""
-    from pagedgen.run_job import Job, UsageError, build_llm, resolve_paths
+    from pagedgen.run_job import Job, UsageError, resolve_paths
 
     console = _stderr()
     flags = {"--model": model, "--dtype": dtype, "--device": device, "--block-size": block_size,
@@ -139,7 +139,7 @@ def run(
         paths = resolve_paths(prompts, run_config, write_report=not no_report)
         job = Job(run_config, paths, console, resume=resume, overwrite=overwrite,
                   show_progress=not quiet)
-        summary = job.run(build_llm)
+        summary = job.run()
     except (ConfigError, UsageError) as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         raise typer.Exit(EXIT_USAGE) from None
@@ -168,8 +168,8 @@ def profile(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results here."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     model: Optional[str] = typer.Option(None, "--model", help="HF folder, .gguf file, or 'default'."),
-    dtype: Optional[str] = typer.Option(None, "--dtype"),
-    device: Optional[str] = typer.Option(None, "--device"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16, float16."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
     kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="KV pool size, e.g. 2GiB."),
     num_blocks: Optional[int] = typer.Option(None, "--num-blocks", help="Pool size at the first block size."),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
@@ -181,7 +181,7 @@ def profile(
     import json
 
     from pagedgen.profiling import WorkloadSpec, parse_range, profile_table, run_profile
-    from pagedgen.run_job import UsageError, build_llm, load_llm, make_progress
+    from pagedgen.run_job import UsageError, load_llm, make_progress
 
     console = _stderr()
     flags = {"--model": model, "--dtype": dtype, "--device": device, "--kv-memory": kv_memory,
@@ -194,7 +194,7 @@ def profile(
                             parse_range(prompt_len, "--prompt-len"), parse_range(max_tokens, "--max-tokens"), seed)
         with make_progress(console, not quiet) as progress:
             result = run_profile(run_config, block_size or [run_config.block_size], spec,
-                                 lambda cfg: load_llm(build_llm, cfg), progress)
+                                 load_llm, progress)
     except (ConfigError, UsageError, ValueError, OSError) as exc:
         _fail_usage(console, exc)
     Console().print(profile_table(result))
@@ -212,8 +212,8 @@ def inspect_memory(
     block_size: Optional[int] = typer.Option(None, "--block-size"),
     seq_len: list[int] = typer.Option([], "--seq-len", help="Sequence length to fit (repeatable)."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
-    dtype: Optional[str] = typer.Option(None, "--dtype"),
-    device: Optional[str] = typer.Option(None, "--device"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16, float16."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
     report: Optional[Path] = typer.Option(None, "--report", help="A memory_report.json: map its pool."),
     step: Optional[int] = typer.Option(None, "--step", help="A recorded step [default: the peak]."),
     request: Optional[str] = typer.Option(None, "--request", help="Show this request's block table."),

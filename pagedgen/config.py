@@ -22,6 +22,13 @@ from pagedgen.requests import validate_sampling_fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
+# Running without --config means these values, which configs/default.yaml spells out (a test
+# keeps the two equal).
+DEFAULT_KV_MEMORY = 2**30
+DEFAULT_SAMPLING = {"n": 1, "max_tokens": 256, "temperature": 0.7, "top_p": 0.95, "top_k": 0,
+                    "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                    "repetition_penalty": 1.0}
+
 
 class ConfigError(ValueError):
     """A config file or flag is wrong; the message names the source and the key."""
@@ -41,7 +48,7 @@ class RunConfig:
     dtype: str = "auto"
     device: str = "auto"             # "auto" = CUDA when available, else CPU
     block_size: int = 16
-    kv_memory: int | None = None     # bytes for the KV pool ("2GiB" in YAML)
+    kv_memory: int | None = DEFAULT_KV_MEMORY  # bytes for the KV pool ("2GiB" in YAML)
     num_blocks: int | None = None    # alternative to kv_memory: exact pool size
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -49,7 +56,7 @@ class RunConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     threads: int | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
     output: OutputConfig = field(default_factory=OutputConfig)
 
 

@@ -19,7 +19,9 @@ class CompletionOutput:
     index: int                         # sample index within the request (0 .. n-1)
     text: str
     token_ids: list[int]
-    cumulative_logprob: float          # sum of the sampled tokens' raw logprobs
+    # Sum of the sampled tokens' raw logprobs; like vLLM, only when logprobs were asked for
+    # (logprobs=0 gives it without alternatives): it costs a log-softmax over the vocabulary.
+    cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None  # per generated position, when asked for
     finish_reason: str | None          # "stop" or "length"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it

@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pagedgen.config import RunConfig
 from pagedgen.output_writer import (JsonlAppender, OutputFileError, RequestResult, SampleResult,
                                     TokenLogprob, completed_keys, error_record, result_record,
-                                    write_ordered)
+                                    write_atomically, write_ordered)
 from pagedgen.requests import Request, RequestError, read_requests
 
 if TYPE_CHECKING:
@@ -49,16 +49,15 @@ class JobPaths:
     report_dir: Path | None     # None: no memory report
 
 
+def sibling(path: Path, suffix: str) -> Path:
+    """out.jsonl -> out{suffix} in the same folder, e.g. '.errors.jsonl', '.report'."""
+    stem = path.name.removesuffix(".jsonl")
+    return path.with_name(stem + suffix)
+
+
 def default_output_path(input_path: Path) -> Path:
     """prompts.jsonl -> prompts.completions.jsonl, next to the input."""
-    stem = input_path.name[:-len(".jsonl")] if input_path.name.endswith(".jsonl") else input_path.name
-    return input_path.with_name(stem + ".completions.jsonl")
-
-
-def sibling(path: Path, suffix: str) -> Path:
-    """out.jsonl -> out{suffix}; e.g. '.errors.jsonl', '.ordered.jsonl', '.report'."""
-    stem = path.name[:-len(".jsonl")] if path.name.endswith(".jsonl") else path.name
-    return path.with_name(stem + suffix)
+    return sibling(input_path, ".completions.jsonl")
 
 
 def resolve_paths(input_path: str | Path, config: RunConfig, write_report: bool = True) -> JobPaths:
@@ -226,11 +225,13 @@ class Job:
     def open_output(self, requests: list[Request]) -> list[Request]:
         """Prepare the output file; returns the requests still to run."""
         output = self.paths.output
+        if self.resume and self.overwrite:
+            raise UsageError("--resume and --overwrite contradict each other; pass one of them")
         exists = output.exists() and output.stat().st_size > 0
         if exists and not (self.resume or self.overwrite):
             raise UsageError(f"{output} already exists: pass --resume to continue it "
                              "or --overwrite to start over")
-        if self.overwrite and not self.resume:
+        if self.overwrite:
             output.unlink(missing_ok=True)
         try:
             done = completed_keys(output) if self.resume else set()
@@ -282,9 +283,6 @@ class Job:
 
     def finish(self, llm: LLM | None) -> None:
         """The ordered file and the memory report, after a complete run."""
-        for error in self.entries:
-            if isinstance(error, RequestError):
-                self.errors.setdefault(error.line, error)
         if self.paths.ordered is not None:
             entries = [self.errors.get(e.line, e) for e in self.entries]
             write_ordered(self.paths.output, self.paths.ordered, entries)
@@ -292,27 +290,31 @@ class Job:
             self.summary.report_files = write_memory_report(llm, self.paths.report_dir, self.console,
                                                             show_summary=self.show_progress)
 
-    def run(self, build_llm: Any) -> JobSummary:
-        requests = self.read_input()
-        pending = self.open_output(requests)
+    def _run(self) -> None:
+        pending = self.open_output(self.read_input())
         for entry in self.entries:
             if isinstance(entry, RequestError):
                 self.record_error(entry)
         llm = None
-        try:
-            with self.signals.installed():
-                if pending:
-                    llm = load_llm(build_llm, self.config)
-                    prepared = self.prepare_all(pending, llm)
-                    if prepared:
-                        with make_progress(self.console, self.show_progress) as progress:
-                            self.generate(prepared, llm, progress)
-                self.finish(llm)
-        except JobInterrupted as stop:
-            self.summary.interrupted_by = stop.signal_name
-        finally:
-            if self._errors_file is not None:
-                self._errors_file.close()
+        if pending:  # a finished run resumed again does not even load the model
+            llm = load_llm(self.config)
+            prepared = self.prepare_all(pending, llm)
+            if prepared:
+                with make_progress(self.console, self.show_progress) as progress:
+                    self.generate(prepared, llm, progress)
+        self.finish(llm)
+
+    def run(self) -> JobSummary:
+        """Runs the job; UsageError escapes (nothing ran), an interruption is in the summary."""
+        with self.signals.installed():
+            try:
+                try:
+                    self._run()
+                finally:
+                    if self._errors_file is not None:
+                        self._errors_file.close()
+            except JobInterrupted as stop:
+                self.summary.interrupted_by = stop.signal_name
         return self.summary
 
 
@@ -328,10 +330,15 @@ def build_llm(config: RunConfig) -> LLM:
                threads=config.threads)
 
 
-def load_llm(build: Any, config: RunConfig) -> LLM:
+def load_llm(config: RunConfig) -> LLM:
     """The engine, or UsageError: a model that cannot load is a config problem (exit 2)."""
+    import torch
+
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"device {config.device!r} was asked for, but CUDA is not available here "
+                         "(use --device cpu or auto)")
     try:
-        return build(config)
+        return build_llm(config)
     except (OSError, ValueError) as exc:  # missing files, bad model folders, impossible sizes
         raise UsageError(f"cannot load the model: {exc}") from None
 
@@ -348,9 +355,8 @@ def write_memory_report(llm: LLM, report_dir: Path, console: Console,
     from pagedgen.memory.render import render_report
 
     report = llm.memory_report()
-    report_dir.mkdir(parents=True, exist_ok=True)
     json_path = report_dir / "memory_report.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    write_atomically(json_path, [(json.dumps(report, indent=2) + "\n").encode()])
     if show_summary:
         render_report(report, console)
     files = [json_path]

@@ -1,9 +1,18 @@
 """The vectorized sampler: one call per engine step turns a [rows, vocab] logits tensor into one
 token per row, each row with its own temperature / top-k / top-p / min-p / penalties / seed.
 
-Random choice uses the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with
-probability p_i. Its only randomness is the noise tensor, so a seeded row draws its noise from its
-own generator and gets the same tokens whatever else is in the batch.
+Order of operations (vLLM's): penalties and min_tokens bans on the logits, then temperature,
+min-p, top-k, top-p, and a draw. Greedy rows take the argmax and skip everything random.
+
+The draw is an inverse-CDF lookup with ONE uniform number per row and step. That number comes
+from the row's own generator when the request is seeded, so a seeded request gets the same
+tokens whatever else is in the batch, and sample i of an n > 1 request has its own stream.
+
+Speed: sorting a [256, 49152] logits tensor costs ~20 lm_head matmuls on this CPU, so each
+random row is first settled among its top CANDIDATES tokens (one topk): exact whenever the
+row's surviving tokens provably lie inside them (top-k, a min-p cut, or a top-p nucleus that
+closes within them, measured against the full-row normalizer). The other rows (plain
+temperature sampling, very wide nuclei) take the full-vocabulary path.
 """
 
 from __future__ import annotations
@@ -15,8 +24,8 @@ import torch
 
 from pagedgen.sampling import SamplingParams
 
-# Noise of exactly 0 would make p/E infinite (or nan for p = 0, which argmax would pick).
-_MIN_NOISE = 1e-20
+# Top tokens examined first. A top_p <= 0.95 nucleus of a trained LM almost always fits.
+CANDIDATES = 256
 
 
 class SamplingRow(Protocol):
@@ -40,13 +49,25 @@ class PenaltyInputs:
 
 
 @dataclass(slots=True)
+class RandomRows:
+    """The rows that sample at random, and their filters (tensors over those rows only)."""
+
+    index: torch.Tensor | None      # their positions in the batch; None: every row
+    temperature: torch.Tensor
+    top_k: torch.Tensor | None      # int64, 0 = off; None: off for all
+    top_p: torch.Tensor | None      # None: 1.0 for all
+    min_p: torch.Tensor | None      # None: 0.0 for all
+    seeded: list[tuple[int, torch.Generator]]   # (position among these rows, generator)
+
+    def select(self, rows: torch.Tensor) -> RandomRows:
+        pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
+        return RandomRows(None, pick(self.temperature), pick(self.top_k), pick(self.top_p),
+                          pick(self.min_p), [])
+
+
+@dataclass(slots=True)
 class SamplingBatch:
-    temperature: torch.Tensor | None       # [R]; None when every row is greedy
-    greedy: torch.Tensor | None            # [R] bool; None when no row is greedy
-    top_k: torch.Tensor | None             # [R] int64, 0 where off; None when all off
-    top_p: torch.Tensor | None             # [R]; None when all rows use 1.0
-    min_p: torch.Tensor | None             # [R]; None when all rows use 0.0
-    seeded: list[tuple[int, torch.Generator]]
+    random: RandomRows | None                          # None: every row is greedy
     penalties: PenaltyInputs | None
     banned: tuple[torch.Tensor, torch.Tensor] | None   # (rows, token ids) to mask with -inf
     logprob_rows: list[int]
@@ -56,36 +77,30 @@ class SamplingBatch:
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]                  # raw log-probability of each sampled token
-    top_ids: list[list[int]] | None        # per row of logprob_rows: top-k token ids
-    top_logprobs: list[list[float]] | None
-    ranks: list[int] | None                # rank of the sampled token (1 = most likely)
+    # The rest is filled for logprob_rows only, in that order (raw model distribution).
+    logprobs: list[float] | None = None          # log-probability of the sampled token
+    ranks: list[int] | None = None               # its rank (1 = most likely)
+    top_ids: list[list[int]] | None = None       # top max_logprobs token ids
+    top_logprobs: list[list[float]] | None = None
 
 
-def _pad(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max(1, max(len(x) for x in lists))
-    return torch.tensor([x + [pad] * (width - len(x)) for x in lists], dtype=torch.int64, device=device)
-
+# --- building a batch ---
 
 def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
 
 
+def _pad(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max(1, max(len(x) for x in lists))
+    return _column([x + [pad] * (width - len(x)) for x in lists], torch.int64, device)
+
+
 def build_batch(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str) -> SamplingBatch:
-    """Gathers the per-row parameters into tensors; rows that need nothing special cost nothing."""
+    """Gathers the per-row parameters into tensors; what no row uses costs nothing."""
     device = torch.device(device)
     params = [r.params for r in rows]
-    greedy = [p.greedy for p in params]
-    any_random = not all(greedy)
     return SamplingBatch(
-        temperature=_column([1.0 if g else p.temperature for g, p in zip(greedy, params)],
-                            torch.float32, device) if any_random else None,
-        greedy=_column(greedy, torch.bool, device) if any(greedy) and any_random else None,
-        top_k=_optional_top_k(params, vocab_size, device) if any_random else None,
-        top_p=_optional(params, "top_p", 1.0, device) if any_random else None,
-        min_p=_optional(params, "min_p", 0.0, device) if any_random else None,
-        seeded=[(i, r.generator) for i, r in enumerate(rows)
-                if r.generator is not None and not r.params.greedy],
+        random=_random_rows(rows, vocab_size, device),
         penalties=_penalty_inputs(rows, vocab_size, device),
         banned=_banned(rows, device),
         logprob_rows=[i for i, p in enumerate(params) if p.logprobs is not None],
@@ -93,17 +108,27 @@ def build_batch(rows: Sequence[SamplingRow], vocab_size: int, device: torch.devi
     )
 
 
-def _optional(params: list[SamplingParams], name: str, neutral: float, device) -> torch.Tensor | None:
-    values = [getattr(p, name) for p in params]
+def _random_rows(rows: Sequence[SamplingRow], vocab_size: int, device) -> RandomRows | None:
+    positions = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not positions:
+        return None
+    params = [rows[i].params for i in positions]
+    top_k = [min(p.top_k, vocab_size) for p in params]
+    return RandomRows(
+        index=None if len(positions) == len(rows) else _column(positions, torch.int64, device),
+        temperature=_column([p.temperature for p in params], torch.float32, device),
+        top_k=_column(top_k, torch.int64, device) if any(top_k) else None,
+        top_p=_optional([p.top_p for p in params], 1.0, device),
+        min_p=_optional([p.min_p for p in params], 0.0, device),
+        seeded=[(j, rows[i].generator) for j, i in enumerate(positions)
+                if rows[i].generator is not None],
+    )
+
+
+def _optional(values: list[float], neutral: float, device) -> torch.Tensor | None:
     if all(v == neutral for v in values):
         return None
     return _column(values, torch.float32, device)
-
-
-def _optional_top_k(params: list[SamplingParams], vocab_size: int, device) -> torch.Tensor | None:
-    if all(p.top_k == 0 for p in params):
-        return None
-    return _column([min(p.top_k, vocab_size) for p in params], torch.int64, device)
 
 
 def _penalty_inputs(rows: Sequence[SamplingRow], vocab_size: int, device) -> PenaltyInputs | None:
@@ -132,6 +157,8 @@ def _banned(rows: Sequence[SamplingRow], device) -> tuple[torch.Tensor, torch.Te
     return _column(row_idx, torch.int64, device), _column(token_idx, torch.int64, device)
 
 
+# --- logits processing ---
+
 def apply_penalties(logits: torch.Tensor, pen: PenaltyInputs) -> torch.Tensor:
     """vLLM semantics: repetition over prompt+output tokens, then frequency and presence over the
     output tokens only. Works in place on `logits` and returns it."""
@@ -159,82 +186,153 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                       top_p: torch.Tensor | None) -> torch.Tensor:
-    """Masks (with -inf) tokens outside each row's top-k (0 = off) and its top-p nucleus."""
-    if top_p is None:
-        # top-k alone needs no full sort: the k-th largest value is a per-row threshold.
-        top_values = logits.topk(int(top_k.max()), dim=-1).values
-        threshold = top_values.gather(1, (top_k - 1).clamp_min(0)[:, None])
-        threshold = threshold.masked_fill(top_k[:, None] == 0, float("-inf"))
-        return logits.masked_fill(logits < threshold, float("-inf"))
-    sorted_logits, order = logits.sort(dim=-1)  # ascending, as vLLM does
+    """Full-vocabulary top-k (0 = off) and top-p masks with one sort, as vLLM does. The slow but
+    general path: the sampler first tries to settle rows within their top candidates."""
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
     vocab = logits.shape[-1]
     if top_k is not None:
         first_kept = torch.where(top_k == 0, 0, vocab - top_k)
         threshold = sorted_logits.gather(1, first_kept[:, None])
         sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    outside = cumulative <= (1 - top_p)[:, None]
-    outside[:, -1] = False  # the most likely token always survives
-    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        outside = cumulative <= (1 - top_p)[:, None]
+        outside[:, -1] = False  # the most likely token always survives
+        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Index drawn from softmax(logits) per row, using the row's uniform number in [0, 1)."""
+    probs = logits.softmax(dim=-1)
+    cumulative = probs.cumsum(dim=-1)
+    target = (uniforms * cumulative[:, -1])[:, None]
+    index = torch.searchsorted(cumulative, target, right=True).clamp_max_(probs.shape[-1] - 1)
+    # Only float rounding at the very top of the CDF can land on a zero-probability entry.
+    landed_on_zero = probs.gather(1, index) <= 0
+    return torch.where(landed_on_zero, probs.argmax(dim=-1, keepdim=True), index).squeeze(1)
+
+
+# --- random choice ---
+
+def sample_random(logits: torch.Tensor, rows: RandomRows, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `logits` (all rows random) under the rows' filters."""
+    vocab = logits.shape[-1]
+    k = min(vocab, max(CANDIDATES, int(rows.top_k.max()) if rows.top_k is not None else 0))
+    values, ids = logits.topk(k, dim=-1)          # descending; a temperature keeps the order
+    scaled = values / rows.temperature[:, None]
+    keep, settled = _filter_candidates(scaled, logits, rows)
+    choice = inverse_cdf(scaled.masked_fill(~keep, float("-inf")), uniforms)
+    tokens = ids.gather(1, choice[:, None]).squeeze(1)
+    if not bool(settled.all()):
+        wide = (~settled).nonzero().squeeze(1)
+        tokens[wide] = _sample_full_vocab(logits[wide], rows.select(wide), uniforms[wide])
+    return tokens
+
+
+def _filter_candidates(scaled: torch.Tensor, logits: torch.Tensor,
+                       rows: RandomRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keep mask over the candidates, rows whose every surviving token is a candidate)."""
+    num_rows, k = scaled.shape
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    settled = torch.full((num_rows,), k == logits.shape[-1], dtype=torch.bool, device=scaled.device)
+    if rows.min_p is not None:
+        keep &= scaled >= scaled[:, :1] + rows.min_p.log()[:, None]
+        settled |= ~keep[:, -1]       # the cut fell inside the candidates
+    if rows.top_k is not None:
+        has_k = rows.top_k > 0
+        limit = torch.where(has_k, rows.top_k, k)
+        keep &= torch.arange(k, device=scaled.device)[None, :] < limit[:, None]
+        settled |= has_k
+    if rows.top_p is not None:
+        settled = _nucleus(scaled, logits, rows, keep, settled)
+    return keep, settled
+
+
+def _nucleus(scaled: torch.Tensor, logits: torch.Tensor, rows: RandomRows, keep: torch.Tensor,
+             settled: torch.Tensor) -> torch.Tensor:
+    """Narrows `keep` (in place) to each top-p row's nucleus; returns the updated `settled`.
+    Settled rows normalize over their candidates; the others over their full row."""
+    top_p = rows.top_p
+    log_norm = torch.logsumexp(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+    wide = ~settled & (top_p < 1)
+    if bool(wide.any()):
+        index = wide.nonzero().squeeze(1)
+        full = logits[index] / rows.temperature[index, None]
+        if rows.min_p is not None:
+            full = apply_min_p(full, rows.min_p[index])
+        log_norm[index] = torch.logsumexp(full, dim=-1)
+    probs = (scaled - log_norm[:, None]).exp().masked_fill_(~keep, 0.0)
+    cumulative = probs.cumsum(dim=-1)
+    active = top_p < 1
+    # A token stays when the mass strictly above it is below top_p (the top token always does).
+    keep &= ~active[:, None] | ((cumulative - probs) < top_p[:, None])
+    return settled | (active & (cumulative[:, -1] >= top_p))
+
+
+def _sample_full_vocab(logits: torch.Tensor, rows: RandomRows, uniforms: torch.Tensor) -> torch.Tensor:
+    """Rows not settled among candidates (no top-k by construction)."""
+    scaled = logits / rows.temperature[:, None]
+    if rows.min_p is not None:
+        scaled = apply_min_p(scaled, rows.min_p)
+    if rows.top_p is not None and bool((rows.top_p < 1).any()):
+        scaled = apply_top_k_top_p(scaled, None, rows.top_p)
+    return inverse_cdf(scaled, uniforms)
+
+
+# --- the sampler ---
+
 class Sampler:
-    """Stateless apart from the engine generator used by unseeded rows."""
+    """Stateless apart from the engine generator, which draws for unseeded rows."""
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        logits = logits.float()
-        log_norm = torch.logsumexp(logits, dim=-1)
-        processed = self._constrain(logits, batch)
-        tokens = self._choose(processed, batch)
-        chosen_logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - log_norm
-        output = SamplerOutput(tokens.tolist(), chosen_logprobs.tolist(), None, None, None)
+        raw = logits.float()
+        processed = self._constrain(raw, batch)
+        tokens = self._choose(processed, batch.random)
+        output = SamplerOutput(tokens.tolist())
         if batch.logprob_rows:
-            self._top_logprobs(logits, log_norm, tokens, batch, output)
+            self._logprobs(raw, tokens, batch, output)
         return output
 
     @staticmethod
     def _constrain(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.penalties is None and batch.banned is None:
             return logits
-        logits = logits.clone()  # the raw logits still serve the logprobs
+        if batch.logprob_rows:
+            logits = logits.clone()  # logprobs are reported on the raw logits
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
         if batch.banned is not None:
             logits[batch.banned] = float("-inf")
         return logits
 
-    def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        if batch.temperature is None:
+    def _choose(self, logits: torch.Tensor, random: RandomRows | None) -> torch.Tensor:
+        if random is None:
             return logits.argmax(dim=-1)
-        scaled = logits / batch.temperature[:, None]
-        if batch.min_p is not None:  # vLLM's order: temperature, min-p, then top-k/top-p
-            scaled = apply_min_p(scaled, batch.min_p)
-        if batch.top_k is not None or batch.top_p is not None:
-            scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
-        probs = scaled.softmax(dim=-1)
-        sampled = (probs / self._noise(probs, batch.seeded)).argmax(dim=-1)
-        if batch.greedy is None:
-            return sampled
-        return torch.where(batch.greedy, logits.argmax(dim=-1), sampled)
+        uniforms = self._uniforms(random, logits.device)
+        if random.index is None:
+            return sample_random(logits, random, uniforms)
+        tokens = logits.argmax(dim=-1)
+        chosen = sample_random(logits.index_select(0, random.index), random, uniforms)
+        return tokens.index_copy_(0, random.index, chosen)
 
-    def _noise(self, probs: torch.Tensor, seeded: list[tuple[int, torch.Generator]]) -> torch.Tensor:
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, generator in seeded:  # one loop iteration per seeded row, not per token
-            noise[row].exponential_(generator=generator)
-        return noise.clamp_min_(_MIN_NOISE)
+    def _uniforms(self, random: RandomRows, device: torch.device) -> torch.Tensor:
+        """One draw per random row: from the engine generator, or the row's own when seeded."""
+        uniforms = torch.rand(random.temperature.shape[0], generator=self.generator, device=device)
+        for position, generator in random.seeded:  # per seeded row, not per token
+            uniforms[position] = torch.rand(1, generator=generator, device=device)[0]
+        return uniforms
 
     @staticmethod
-    def _top_logprobs(logits, log_norm, tokens, batch: SamplingBatch, output: SamplerOutput) -> None:
-        rows = torch.tensor(batch.logprob_rows, device=logits.device)
-        logprobs = logits[rows] - log_norm[rows, None]
-        chosen = logprobs.gather(1, tokens[rows][:, None])
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch,
+                  output: SamplerOutput) -> None:
+        rows = torch.tensor(batch.logprob_rows, device=raw.device)
+        logprobs = raw.index_select(0, rows).log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens.index_select(0, rows)[:, None])
+        output.logprobs = chosen.squeeze(1).tolist()
         output.ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-        if batch.max_logprobs == 0:
-            output.top_ids, output.top_logprobs = [[] for _ in batch.logprob_rows], [[] for _ in batch.logprob_rows]
-            return
         top = logprobs.topk(batch.max_logprobs, dim=-1)
         output.top_ids, output.top_logprobs = top.indices.tolist(), top.values.tolist()

@@ -154,6 +154,11 @@ def test_usage_and_config_errors_exit_2_before_running(tmp_path, config_path):
     assert run_cli(tmp_path / "missing.jsonl", "-c", config_path).exit_code == 2
     missing_model = run_cli(inputs, "-c", config_path, "--model", tmp_path / "nowhere", "--no-report")
     assert missing_model.exit_code == 2 and "cannot load the model" in missing_model.stderr
+    both = run_cli(inputs, "-c", config_path, "--resume", "--overwrite")
+    assert both.exit_code == 2 and "contradict" in both.stderr
+    if not torch.cuda.is_available():
+        no_gpu = run_cli(inputs, "-c", config_path, "--device", "cuda", "--no-report")
+        assert no_gpu.exit_code == 2 and "CUDA is not available" in no_gpu.stderr
     (tmp_path / "in.completions.jsonl").write_text('{"id": 1}\n')
     exists = run_cli(inputs, "-c", config_path, "--no-report")
     assert exists.exit_code == 2 and "--resume" in exists.stderr and "--overwrite" in exists.stderr

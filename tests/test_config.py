@@ -22,6 +22,10 @@ def test_defaults_without_file():
     assert config.model is None and config.device == "auto" and config.output.ordered
 
 
+def test_running_without_a_config_means_configs_default_yaml():
+    assert load_config(CONFIGS / "default.yaml") == load_config()
+
+
 @pytest.mark.parametrize("name", ["default.yaml", "cpu-small.yaml", "gpu-h200.yaml"])
 def test_shipped_configs_load(name):
     config = load_config(CONFIGS / name)
@@ -40,7 +44,8 @@ def test_values_are_read_and_sizes_parsed(tmp_path):
     config = load_config(path)
     assert config.block_size == 32
     assert config.kv_memory == 2 * 2**30
-    assert config.sampling == {"temperature": 0.0, "stop": ["END"]}
+    assert config.sampling["temperature"] == 0.0 and config.sampling["stop"] == ["END"]
+    assert config.sampling["top_p"] == 0.95  # untouched defaults stay
     assert config.output.ordered is False
 
 
@@ -95,7 +100,7 @@ def test_flags_override_the_file_and_name_the_flag(tmp_path):
                                 ("--temperature", {"sampling": {"temperature": 0.0}})])
     assert config.block_size == 32
     assert config.num_blocks == 100 and config.kv_memory is None  # the flag replaces the budget
-    assert config.sampling == {"top_k": 5, "temperature": 0.0}
+    assert config.sampling["top_k"] == 5 and config.sampling["temperature"] == 0.0
     with pytest.raises(ConfigError, match=r"^--block-size: 'block_size' must be an integer >= 1"):
         load_config(path, [("--block-size", {"block_size": 0})])
 

@@ -139,7 +139,7 @@ def test_max_tokens_and_the_model_length_clamp():
 
 
 def test_stop_string_split_across_tokens_cuts_the_text():
-    llm, prompt = shared_llm(), MIXED_PROMPTS[3]
+    llm, prompt = shared_llm(), MIXED_PROMPTS[3]   # its output has clean text pieces
     tokenizer = llm.get_tokenizer()
     full = llm.generate([prompt], greedy(), use_tqdm=False)[0].outputs[0]
     stop, cut = _stop_string_across_a_boundary(tokenizer, full.token_ids)
@@ -157,7 +157,7 @@ def _stop_string_across_a_boundary(tokenizer, ids: list[int]) -> tuple[str, int]
     full = tokenizer.decode(ids)
     for k in range(2, len(ids) - 1):
         head = tokenizer.decode(ids[:k])
-        if not full.startswith(head) or "\ufffd" in head or len(head) < 1:
+        if not full.startswith(head):
             continue
         stop = full[len(head) - 1:len(head) + 1]
         if len(stop) == 2 and full.find(stop) == len(head) - 1 and stop.strip() and "\ufffd" not in stop:

@@ -189,7 +189,8 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="slot_mapping"):
         torch_ops.store_kv(k[0], v[0], k, v, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="src and dst"):
-        torch_ops.copy_blocks(torch.zeros(1, 2, 3, 8, 2, 8), torch.tensor([0]), torch.tensor([1, 2]))
+        torch_ops.copy_blocks(torch.zeros(1, 2, 3, 8, 2, 8), torch.tensor([0]),
+                              torch.tensor([1, 2]))
 
 
 def test_get_ops_cpu_is_torch_ops():

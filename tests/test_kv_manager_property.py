@@ -181,8 +181,10 @@ class KVMachine(RuleBasedStateMachine):
         assert self.kv.num_cached_prefix_tokens(prompt) == len(self.ref.prefix_hits(prompt)) * self.ref.b
         hit = len(self.ref.prefix_hits(prompt)) * self.ref.b
         chunk = min(chunk, length - hit)
-        expected = self.ref.succeeds(lambda r: (r.admit(seq, prompt), r.append(seq, prompt[hit:hit + chunk])))
-        assert self.kv.can_admit(prompt, chunk) == expected
+        for size in range(length - hit + 1):  # can_admit must flip exactly where it stops fitting
+            fits = self.ref.succeeds(
+                lambda r: (r.admit(seq, prompt), r.append(seq, prompt[hit:hit + size])))
+            assert self.kv.can_admit(prompt, size) == fits, f"can_admit(prompt, {size})"
         if not self.ref.succeeds(lambda r: r.admit(seq, prompt)):
             self.expect_failure(lambda: self.kv.admit(seq, prompt))
             return
@@ -207,6 +209,17 @@ class KVMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def append_group(self, data):
         seqs = data.draw(st.lists(st.sampled_from(self.live()), min_size=2, max_size=4, unique=True))
+        self.append_batch(data, seqs)
+
+    @precondition(lambda self: self.scripts)
+    @rule(data=st.data())
+    def append_siblings(self, data):
+        """All holders of one (possibly shared, partial) last block write at once."""
+        tables = self.kv.block_tables()
+        last = tables[data.draw(st.sampled_from(self.live()))][-1:]
+        self.append_batch(data, [seq for seq in self.live() if tables[seq][-1:] == last])
+
+    def append_batch(self, data, seqs: list[int]) -> None:
         counts = data.draw(st.lists(st.integers(0, 5), min_size=len(seqs), max_size=len(seqs)))
         batch = [(seq, self.next_tokens(seq, count)) for seq, count in zip(seqs, counts)]
         expected = self.ref.succeeds(lambda r: [r.append(s, t) for s, t in batch])

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFWriter
 from gguf.quants import quantize
 
 from pagedgen.model import default_model
 from pagedgen.model.batch import ScheduledChunk
 from pagedgen.model.config import ModelConfig, UnsupportedModelError
 from pagedgen.model.dtypes import resolve_dtype
+from pagedgen.model.gguf_file import read_gguf
 from pagedgen.model.gguf_loader import (dequantize_tensor, gguf_model_config, iter_gguf_tensors,
                                         unpermute_qk)
 from pagedgen.model.loader import build_decoder, load_model
@@ -97,10 +98,18 @@ def test_sharded_safetensors_load_like_a_single_file(tmp_path):
 
 
 def test_tied_model_shares_storage_and_missing_lm_head_ties(tmp_path):
+    from safetensors.torch import load_file, save_file
+
     tied = tiny_loaded_model("llama", tied=True)
     assert tied.model.lm_head_weight.data_ptr() == tied.model.embed_weight.data_ptr()
     untied = tiny_loaded_model("llama", tied=False)
     assert untied.model.lm_head_weight.data_ptr() != untied.model.embed_weight.data_ptr()
+    folder = copy_model_folder(tiny_model_dir("llama"), tmp_path / "no-head")
+    weights = load_file(folder / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, folder / "model.safetensors")
+    headless = load_model(str(folder), dtype="float32")
+    assert headless.config.tie_word_embeddings and headless.model.is_tied
 
 
 def test_missing_and_unknown_tensors_are_named(tmp_path):
@@ -263,7 +272,7 @@ def random_k_quant_bytes(qtype, rows: int, cols: int, rng) -> np.ndarray:
 
 
 def write_and_read_gguf(path, tensors: dict[str, tuple[np.ndarray, object]]) -> dict:
-    """Tensors through a real GGUF file: GGUFWriter out, GGUFReader in; returns reader tensors."""
+    """Tensors through a real GGUF file: gguf's writer out, pagedgen's reader in."""
     writer = GGUFWriter(path, "llama")
     for name, (data, qtype) in tensors.items():
         writer.add_tensor(name, data, raw_dtype=qtype)
@@ -271,7 +280,7 @@ def write_and_read_gguf(path, tensors: dict[str, tuple[np.ndarray, object]]) -> 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return {t.name: t for t in GGUFReader(path).tensors}
+    return {t.name: t for t in read_gguf(path).tensors}
 
 
 def test_dequantization_of_each_required_type(tmp_path):
@@ -349,7 +358,7 @@ def write_tiny_gguf(path, arch: str, gguf_arch: str, tied: bool) -> None:
 def test_tiny_gguf_loads_like_its_safetensors_twin(tmp_path, arch, gguf_arch, tied):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, arch, gguf_arch, tied)
-    reader = GGUFReader(path)
+    reader = read_gguf(path)
     config = gguf_model_config(reader)
     expected = tiny_loaded_model(arch, tied)
     assert config.rms_norm_eps == pytest.approx(expected.config.rms_norm_eps)  # stored as float32

@@ -7,8 +7,8 @@ simulated schedule, step by step.
 from __future__ import annotations
 
 import random
-from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.engine.kv_types import PoolSnapshot
 from pagedgen.memory.arena import FirstFitArena
-from pagedgen.memory.counterfactual import doubling_capacity, step_reservation
+from pagedgen.memory.counterfactual import doubling_capacities, doubling_capacity, step_reservation
 from pagedgen.memory.report import build_report
 from pagedgen.memory.sampled_series import SampledSeries
 from pagedgen.memory.simulate import SimRequest, Simulation
@@ -182,6 +182,16 @@ def test_doubling_capacity_by_hand():
     r = step_reservation(infos, 2048)
     assert (r.static_max_model_len, r.static_request, r.dynamic_doubling, r.live_tokens) == \
         (4096, 150 + 2048, 200 + 30, 180)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 3000)), min_size=1, max_size=20),
+       st.integers(1, 4096))
+def test_vectorized_doubling_matches_the_scalar_rule(seqs, max_model_len):
+    tokens = np.array([n for n, _ in seqs], dtype=np.int64)
+    prompts = np.array([p for _, p in seqs], dtype=np.int64)
+    expected = [doubling_capacity(n, p, max_model_len) for n, p in seqs]
+    assert doubling_capacities(tokens, prompts, max_model_len).tolist() == expected
 
 
 def test_first_fit_arena_counts_external_fragmentation():

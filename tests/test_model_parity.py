@@ -145,3 +145,37 @@ def test_logits_only_for_sampled_chunks_in_batch_order():
         expected = [hf(torch.tensor([p])).logits[0, -1] for p in (prompts[0], prompts[2])]
     assert logits.shape == (2, loaded.config.vocab_size) and logits.dtype == torch.float32
     torch.testing.assert_close(logits, torch.stack(expected), atol=1e-4, rtol=1e-4)
+
+
+# --- the built-in default model (SmolLM2-135M-Instruct, Q4_1 GGUF) --------------------------
+
+DEFAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):",
+                   "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"]
+
+
+@pytest.fixture(scope="module")
+def default_pair():
+    """(pagedgen's LoadedModel, transformers' model + tokenizer) of the same GGUF file, float32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedgen.model.default_model import default_model_path
+    from pagedgen.model.loader import load_model
+
+    path = default_model_path()
+    hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                    dtype=torch.float32).eval()
+    hf_model.generation_config.eos_token_id = None
+    hf_model.generation_config.pad_token_id = 2
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return load_model(None, dtype="float32"), hf_model, hf_tokenizer
+
+
+def test_default_model_greedy_equals_transformers(default_pair):
+    loaded, hf_model, hf_tokenizer = default_pair
+    prompts = [loaded.tokenizer(text).input_ids for text in DEFAULT_PROMPTS]
+    assert prompts == [hf_tokenizer(text).input_ids for text in DEFAULT_PROMPTS]
+    got = pagedgen_greedy(loaded, prompts, 32, block_size=16)
+    assert got == transformers_greedy(hf_model, prompts, 32)
+    assert loaded.tokenizer.decode(got[0]).startswith(" Paris.")
+    assert loaded.eos_token_ids == [loaded.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert "<|im_start|>" in loaded.tokenizer.chat_template

@@ -1,6 +1,7 @@
 """JSONL lines -> requests: every input kind, the OpenAI batch format, per-line errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -146,3 +147,13 @@ def test_a_bom_on_the_first_line_is_tolerated(tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"prompt": "x"}\n')
     assert isinstance(read_requests(path, {})[0], Request)
+
+
+SAMPLES = sorted((Path(__file__).resolve().parent.parent / "samples").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=[p.name for p in SAMPLES])
+def test_shipped_samples_are_valid(sample):
+    entries = read_requests(sample, {})
+    assert entries and all(isinstance(e, Request) for e in entries), \
+        [e.message for e in entries if isinstance(e, RequestError)]

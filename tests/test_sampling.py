@@ -69,10 +69,11 @@ def test_normalizes_stop_and_vllm_top_k_spelling():
 
 def test_greedy_rows_take_the_argmax_and_report_raw_logprobs():
     logits = torch.randn(5, 50, generator=seeded(1))
-    out = sample(logits, [Row(SamplingParams(temperature=0))] * 5)
+    out = sample(logits, [Row(SamplingParams(temperature=0, logprobs=0))] * 5)
     assert out.token_ids == logits.argmax(-1).tolist()
     expected = logits.log_softmax(-1).max(-1).values
     torch.testing.assert_close(torch.tensor(out.logprobs), expected)
+    assert sample(logits, [Row(SamplingParams(temperature=0))] * 5).logprobs is None
 
 
 def test_penalties_match_a_hand_computation():
@@ -110,7 +111,7 @@ def test_banned_tokens_are_never_sampled():
     assert out.token_ids[0] != 4
 
 
-def test_exponential_race_follows_the_distribution():
+def test_draws_follow_the_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     rows = 20000
     logits = probs.log().expand(rows, 4).contiguous()
@@ -126,7 +127,7 @@ def test_temperature_sharpens_the_distribution():
     assert abs(out.token_ids.count(0) / 10000 - float(p)) < 0.02
 
 
-def test_top_k_top_p_and_min_p_cut_the_tail():
+def test_top_k_top_p_and_min_p_cut_the_tail_among_candidates():
     probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
     logits = probs.log().expand(3000, 4).contiguous()
     cases = {"top_k": (SamplingParams(top_k=2), {0, 1}),
@@ -166,9 +167,53 @@ def test_logprobs_top_k_and_rank_of_the_sampled_token():
     torch.testing.assert_close(torch.tensor(out.top_logprobs), top.values)
     assert out.top_ids == top.indices.tolist()
     assert out.ranks == [1, 1]  # greedy tokens are the most likely
+    torch.testing.assert_close(torch.tensor(out.logprobs), top.values[:, 0])
 
 
 def test_rank_of_a_sampled_unlikely_token():
     logits = torch.tensor([[5.0, 4.0, 3.0, -50.0]])
     out = sample(logits, [Row(SamplingParams(logprobs=1), banned=[0, 1])])
     assert out.token_ids == [2] and out.ranks == [3]
+
+
+# --- wide vocabularies: the candidate shortcut must agree with the full-vocabulary filters ---
+
+def reference_support(logits: torch.Tensor, params: SamplingParams) -> set[int]:
+    """Tokens with non-zero probability under vLLM's sort-based filters (one row)."""
+    from pagedgen.sampler import apply_min_p, apply_top_k_top_p
+
+    scaled = logits[None] / params.temperature
+    scaled = apply_min_p(scaled, torch.tensor([params.min_p]))
+    scaled = apply_top_k_top_p(scaled, torch.tensor([params.top_k]), torch.tensor([params.top_p]))
+    return set(torch.isfinite(scaled[0]).nonzero().squeeze(1).tolist())
+
+
+@pytest.mark.parametrize("params, peaked", [
+    (SamplingParams(top_p=0.9), True),            # nucleus closes among the candidates
+    (SamplingParams(top_p=0.5), False),           # ~500 tokens: full-vocabulary fallback
+    (SamplingParams(top_p=0.9, min_p=0.2), True),
+    (SamplingParams(min_p=0.9, temperature=0.5), False),
+    (SamplingParams(top_k=300, top_p=0.7), False),
+])
+def test_wide_vocab_draws_stay_inside_the_reference_support(params, peaked):
+    vocab = 1000
+    logits = 0.05 * torch.randn(vocab, generator=seeded(11))
+    if peaked:
+        logits[:12] += 9.0   # ~99% of the mass on 12 tokens
+    support = reference_support(logits, params)
+    rows = 3000
+    out = sample(logits.expand(rows, vocab).contiguous(), [Row(params)] * rows, engine_seed=12)
+    drawn = set(out.token_ids)
+    assert drawn <= support
+    assert len(drawn) > 0.8 * len(support) or len(support) <= 12
+
+
+def test_plain_temperature_sampling_on_a_wide_vocab():
+    vocab = 1000
+    logits = torch.full((vocab,), -5.0)
+    logits[7], logits[900] = 2.0, 1.0
+    probs = logits.softmax(-1)
+    rows = 8000
+    out = sample(logits.expand(rows, vocab).contiguous(), [Row(SamplingParams())] * rows, engine_seed=13)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=vocab).float() / rows
+    assert abs(counts[7] - probs[7]) < 0.02 and abs(counts[900] - probs[900]) < 0.02

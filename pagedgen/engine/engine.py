@@ -112,7 +112,7 @@ class LLMEngine:
                                                      group.params.skip_special_tokens)
             seq.text = ""
         if group.params.logprobs is not None:
-            seq.logprobs = []
+            seq.logprobs, seq.cumulative_logprob = [], 0.0
         return seq
 
     def _take_seq_id(self) -> int:
@@ -175,14 +175,13 @@ class LLMEngine:
 
     def _append_tokens(self, rows: list[Sequence], result: SamplerOutput) -> list[Sequence]:
         done = []
-        top_position = {row: j for j, row in enumerate(_logprob_rows(rows))}
+        logprob_position = {row: j for j, row in enumerate(_logprob_rows(rows))}
         now = time.monotonic()
         for i, seq in enumerate(rows):
             token = result.token_ids[i]
             seq.token_ids.append(token)
-            seq.cumulative_logprob += result.logprobs[i]
             if seq.logprobs is not None:
-                seq.logprobs.append(_position_logprobs(seq, token, result, i, top_position[i]))
+                _record_logprobs(seq, token, result, logprob_position[i])
             if seq.group.first_token_time is None:
                 seq.group.first_token_time = now
             decision = self._stop_decision(seq, token)
@@ -245,15 +244,15 @@ def _logprob_rows(rows: list[Sequence]) -> list[int]:
     return [i for i, seq in enumerate(rows) if seq.logprobs is not None]
 
 
-def _position_logprobs(seq: Sequence, token: int, result: SamplerOutput, row: int,
-                       j: int) -> dict[int, Logprob]:
+def _record_logprobs(seq: Sequence, token: int, result: SamplerOutput, j: int) -> None:
     """The requested top-k at this position plus the sampled token (vLLM's shape)."""
     k = seq.params.logprobs
     entry = {t: Logprob(lp, rank + 1)
              for rank, (t, lp) in enumerate(zip(result.top_ids[j][:k], result.top_logprobs[j][:k]))}
     if token not in entry:
-        entry[token] = Logprob(result.logprobs[row], result.ranks[j])
-    return entry
+        entry[token] = Logprob(result.logprobs[j], result.ranks[j])
+    seq.logprobs.append(entry)
+    seq.cumulative_logprob += result.logprobs[j]
 
 
 def _mark_finished(seq: Sequence, decision: StopDecision) -> None:

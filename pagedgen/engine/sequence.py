@@ -84,7 +84,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0                 # tokens whose K/V are in the cache (or scheduled now)
     high_water: int = 0                   # most tokens ever computed: re-computation is counted
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None   # kept when logprobs are asked for
     logprobs: list[dict[int, Logprob]] | None = None
     detokenizer: IncrementalDetokenizer | None = None
     text: str | None = None               # set while detokenizing (stop strings) and at finish
@@ -128,7 +128,8 @@ class Sequence:
             child.detokenizer = IncrementalDetokenizer(
                 self.detokenizer.tokenizer, child.token_ids, self.detokenizer.skip_special_tokens)
             child.text = ""
-        child.logprobs = [] if self.logprobs is not None else None
+        if self.logprobs is not None:
+            child.logprobs, child.cumulative_logprob = [], 0.0
         return child
 
 

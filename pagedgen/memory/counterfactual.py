@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedgen.memory.arena import FirstFitArena
 from pagedgen.memory.seq_info import SeqMemInfo
 
@@ -39,13 +41,23 @@ def doubling_capacity(num_tokens: int, prompt_tokens: int, max_model_len: int) -
     return max(min(capacity, max_model_len), num_tokens)
 
 
+def doubling_capacities(num_tokens: np.ndarray, prompt_tokens: np.ndarray, max_model_len: int) -> np.ndarray:
+    """doubling_capacity over arrays (int64)."""
+    initial = np.maximum(prompt_tokens, 1)
+    growth = np.maximum(-(-num_tokens // initial), 1)
+    capacity = initial << np.ceil(np.log2(growth)).astype(np.int64)
+    return np.maximum(np.minimum(capacity, max_model_len), num_tokens)
+
+
 def step_reservation(running: Sequence[SeqMemInfo], max_model_len: int) -> StepReservation:
-    request = dynamic = live = 0
-    for seq in running:
-        request += max(min(seq.prompt_tokens + seq.max_tokens, max_model_len), seq.num_tokens)
-        dynamic += doubling_capacity(seq.num_tokens, seq.prompt_tokens, max_model_len)
-        live += seq.num_tokens
-    return StepReservation(len(running) * max_model_len, request, dynamic, live)
+    # One Python pass per field to read the objects; the arithmetic is vectorized, since the
+    # engine calls this every step with up to max_num_seqs sequences.
+    column = lambda name: np.fromiter((getattr(s, name) for s in running), np.int64, len(running))  # noqa: E731
+    tokens, prompt, max_tokens = column("num_tokens"), column("prompt_tokens"), column("max_tokens")
+    request = np.maximum(np.minimum(prompt + max_tokens, max_model_len), tokens)
+    doubling = doubling_capacities(tokens, prompt, max_model_len)
+    return StepReservation(len(running) * max_model_len, int(request.sum()), int(doubling.sum()),
+                           int(tokens.sum()))
 
 
 @dataclass(slots=True)
@@ -63,7 +75,7 @@ class CounterfactualReplay:
     arena_slots: int
     peaks: dict[str, PolicyPeak] = field(default_factory=lambda: {p: PolicyPeak() for p in POLICIES})
     sequence_steps: int = 0    # sum over steps of the number of running sequences
-    arena: FirstFitArena | None = None
+    arena: FirstFitArena = field(init=False)
     _in_arena: set[int] = field(default_factory=set)   # seq ids placed or refused
 
     def __post_init__(self) -> None:

@@ -114,7 +114,7 @@ def inspect_report(report: dict[str, Any], step: int | None = None, request: str
     if token is not None:
         address = token_address(report, request, token, sample, step)
         data["address"] = _address_dict(address)
-        parts.append(address_table(address, report["pool"]["block_size"]))
+        parts.append(address_table(address, report["pool"]["block_size"], report["pool"]["num_blocks"]))
     return data, Group(*parts)
 
 

@@ -15,6 +15,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
+from pagedgen.memory.render import human_bytes  # noqa: E402
+
 PAGING_COLOR = "#1f77b4"
 POOL_COLOR = "#444444"
 
@@ -66,10 +68,10 @@ def _counterfactual_panel(ax: plt.Axes, c: dict[str, list[float]], num_blocks: i
     ax.set_xlabel("engine step")
 
 
-def _bytes_axis(ax: plt.Axes, bytes_per_block: int) -> None:
-    """A right-hand axis in MiB/GiB, so the blocks read as memory too."""
-    gib = bytes_per_block * 1000 >= 2**30 or bytes_per_block >= 2**20
-    unit, scale = ("GiB", 2**30) if gib else ("MiB", 2**20)
+def _bytes_axis(ax: plt.Axes, bytes_per_block: int, pool_bytes: int) -> None:
+    """A right-hand axis in KiB/MiB/GiB (by the pool's size), so the blocks read as memory too."""
+    unit, scale = next((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+                       if pool_bytes >= 2 * s or s == 1)
     factor = bytes_per_block / scale
     axis = ax.secondary_yaxis("right", functions=(lambda b: b * factor, lambda m: m / factor))
     axis.set_ylabel(unit)
@@ -77,7 +79,7 @@ def _bytes_axis(ax: plt.Axes, bytes_per_block: int) -> None:
 
 def _ratio_note(ax: plt.Axes, report: dict[str, Any]) -> None:
     cf, pool_bytes = report["counterfactual"], report["pool"]["total_bytes"]
-    lines = [f"peak reserved / pool size ({pool_bytes / 2**20:,.1f} MiB):"]
+    lines = [f"peak reserved / pool size ({human_bytes(pool_bytes)}):"]
     for key, label in (("static_max_model_len", "static max_model_len"),
                        ("static_request", "static prompt+max_tokens"),
                        ("dynamic_doubling", "dynamic doubling"), ("paging", "paged")):
@@ -101,7 +103,7 @@ def plot_timeline(report: dict[str, Any], path: str | Path) -> Path:
         ax.grid(alpha=0.3)
         ax.set_ylim(bottom=0)
         ax.legend(loc="upper left", bbox_to_anchor=(1.1, 1.0), fontsize=8, framealpha=0.9)
-        _bytes_axis(ax, pool["bytes_per_block"])
+        _bytes_axis(ax, pool["bytes_per_block"], pool["total_bytes"])
     _ratio_note(bottom, report)
     summary = report["summary"]
     fig.suptitle(f"KV cache memory over the run — block size {pool['block_size']}, "

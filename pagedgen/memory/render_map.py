@@ -98,6 +98,7 @@ def legend_text(pool_map: PoolMap, layout_per_cell: int) -> Text:
     text.append(f"{SHARED} shared (ref > 1)   {CACHED} cached-free   blank = free\n", style="bold")
     if not pool_map.cached_ids_known:
         text.append(f"({pool_map.cached_free_count} cached-free blocks: ids not recorded)\n", style="dim")
+    text.append("requests: ")
     for owner, (symbol, color) in styles.items():
         text.append(f"{symbol}", style=color)
         text.append(f"={owner}  ")
@@ -129,22 +130,23 @@ def block_tables_table(sequences: list[dict[str, Any]], max_entries: int = 24) -
     return table
 
 
-def address_table(addr: TokenAddress, block_size: int, max_layers: int = 4) -> Group:
+def address_table(addr: TokenAddress, block_size: int, num_blocks: int, max_layers: int = 4) -> Group:
     head = Text(
         f"request {addr.request_id} sample {addr.sample_index} token {addr.token_index}: "
         f"logical block {addr.token_index} // {block_size} = {addr.logical_block}, "
         f"offset {addr.token_index} % {block_size} = {addr.offset} -> physical block "
         f"{addr.physical_block}, slot {addr.slot}\n"
-        f"byte offset in kv_cache[L, 2, N, B, H_kv, D] = "
-        f"(((layer*2 + kv)*N + {addr.physical_block})*{block_size} + {addr.offset}) * {addr.token_bytes}"
-        f"   (kv: 0 = K, 1 = V; {addr.token_bytes} bytes = H_kv x D x dtype bytes)")
-    table = Table(title_justify="left")
+        f"byte offset in kv_cache[L, 2, N={num_blocks}, B={block_size}, H_kv, D] = "
+        f"(((layer*2 + kv)*{num_blocks} + {addr.physical_block})*{block_size} + {addr.offset})"
+        f" * {addr.token_bytes}\n(kv: 0 = K, 1 = V; {addr.token_bytes} B = H_kv x D x dtype bytes; "
+        f"each of K and V spans {addr.token_bytes} contiguous bytes)")
+    table = Table()
     for name in ("layer", "K byte offset", "V byte offset"):
         table.add_column(name, justify="right")
-    shown = addr.layer_offsets if len(addr.layer_offsets) <= max_layers else \
-        addr.layer_offsets[:max_layers - 1] + addr.layer_offsets[-1:]
-    for layer, k, v in shown:
-        table.add_row(str(layer), f"{k:,}", f"{v:,}")
+    layers = addr.layer_offsets
+    shown = layers if len(layers) <= max_layers else layers[:max_layers - 1] + [None] + layers[-1:]
+    for entry in shown:
+        table.add_row(*(("…", "…", "…") if entry is None else (str(entry[0]), f"{entry[1]:,}", f"{entry[2]:,}")))
     return Group(head, table)
 
 

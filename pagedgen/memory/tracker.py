@@ -1,8 +1,9 @@
 """The memory tracker: samples the KV pool after every engine step (contract section 6).
 
-Everything here is O(running sequences) per step and bounded in memory: the timeline keeps
-every k-th step (k doubles as the run grows) plus the peak; the block tables are captured at
-the peak and at a few evenly spaced steps for `inspect-memory --step`.
+Per step the work is O(running sequences) and the memory stays bounded: the timeline keeps
+every k-th step (k doubles as the run grows) plus the peak. The block tables (O(blocks) to
+copy) are captured only when blocks_used reaches a new peak and at a few evenly spaced steps
+for `inspect-memory --step`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pagedgen.memory.sampled_series import SampledSeries
 from pagedgen.memory.seq_info import SeqMemInfo
 
 if TYPE_CHECKING:
-    from pagedgen.engine.block_pool import PoolSnapshot
+    from pagedgen.engine.kv_types import PoolSnapshot
 
 __all__ = ["MemoryTracker", "SeqMemInfo", "StepSample", "TableSnapshot"]
 
@@ -67,9 +68,16 @@ class UtilizationMean:
 
 
 def _positive(name: str, value: int) -> int:
-    if not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"MemoryTracker: {name} must be a positive int, got {value!r}")
     return value
+
+
+def _cached_ids(count: int, cached_free_blocks: Callable[[], list[int]] | None) -> list[int] | None:
+    if cached_free_blocks is None:
+        return None
+    # Listing them may walk the whole free queue; under pressure (at a peak) there often are none.
+    return sorted(cached_free_blocks()) if count else []
 
 
 def capture_tables(step: int, sample: StepSample, running: Sequence[SeqMemInfo],
@@ -78,7 +86,7 @@ def capture_tables(step: int, sample: StepSample, running: Sequence[SeqMemInfo],
     # SeqMemInfo objects are copied: the engine may reuse them for the next step.
     infos = {seq.seq_id: SeqMemInfo(seq.seq_id, seq.request_id, seq.sample_index, seq.num_tokens,
                                     seq.prompt_tokens, seq.max_tokens) for seq in running}
-    cached = sorted(cached_free_blocks()) if cached_free_blocks else None
+    cached = _cached_ids(sample.blocks_cached_free, cached_free_blocks)
     return TableSnapshot(step, sample, block_tables(), infos, cached)
 
 
@@ -158,18 +166,20 @@ class MemoryTracker:
         self.utilization.add(snapshot.tokens_stored, slots)
         self.paging_slot_steps += slots
         is_peak = self.peak is None or sample.blocks_used > self.peak.blocks_used
-        tables = (block_tables, cached_free_blocks)
-        if is_peak:
-            self.peak = sample
-            self.peak_tables = capture_tables(step, sample, running, *tables)
-        if self.table_snapshots.wants():
-            snap = self.peak_tables if is_peak else capture_tables(step, sample, running, *tables)
-            self.table_snapshots.append(snap)
-        else:
-            self.table_snapshots.skip()   # off the grid: not worth calling block_tables()
+        self._keep_tables(sample, is_peak, lambda: capture_tables(
+            step, sample, running, block_tables, cached_free_blocks))
         self.timeline.append(sample, pinned=is_peak)
         self._track_concurrency(step, len(running))
         self.last = sample
+
+    def _keep_tables(self, sample: StepSample, is_peak: bool, capture: Callable[[], TableSnapshot]) -> None:
+        if is_peak:
+            self.peak = sample
+            self.peak_tables = capture()
+        if not self.table_snapshots.wants():
+            self.table_snapshots.skip()   # off the grid: not worth calling block_tables()
+            return
+        self.table_snapshots.append(self.peak_tables if is_peak else capture())
 
     def _sample(self, step: int, snapshot: PoolSnapshot, running: Sequence[SeqMemInfo],
                 num_waiting: int, preemptions: int, recomputed_tokens: int) -> StepSample:
@@ -188,4 +198,4 @@ class MemoryTracker:
         """The block tables recorded at this step, if that step was kept."""
         if self.peak_tables is not None and self.peak_tables.step == step:
             return self.peak_tables
-        return next((s for s in self.table_snapshots.items() if s and s.step == step), None)
+        return next((s for s in self.table_snapshots.items() if s.step == step), None)

