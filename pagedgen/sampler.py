@@ -203,20 +203,23 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
 
 
 def inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Index drawn from softmax(logits) per row, using the row's uniform number in [0, 1)."""
-    probs = logits.softmax(dim=-1)
-    cumulative = probs.cumsum(dim=-1)
+    """Index drawn from softmax(logits) per row, using the row's uniform number in [0, 1).
+    The weights stay unnormalized: the target is scaled by their total instead."""
+    weights = (logits - logits.max(dim=-1, keepdim=True).values).exp_()
+    cumulative = weights.cumsum(dim=-1)
     target = (uniforms * cumulative[:, -1])[:, None]
-    index = torch.searchsorted(cumulative, target, right=True).clamp_max_(probs.shape[-1] - 1)
-    # Only float rounding at the very top of the CDF can land on a zero-probability entry.
-    landed_on_zero = probs.gather(1, index) <= 0
-    return torch.where(landed_on_zero, probs.argmax(dim=-1, keepdim=True), index).squeeze(1)
+    index = torch.searchsorted(cumulative, target, right=True).clamp_max_(weights.shape[-1] - 1)
+    # Only float rounding at the very top of the CDF can land on a zero-weight entry.
+    landed_on_zero = weights.gather(1, index) <= 0
+    return torch.where(landed_on_zero, weights.argmax(dim=-1, keepdim=True), index).squeeze(1)
 
 
 # --- random choice ---
 
 def sample_random(logits: torch.Tensor, rows: RandomRows, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of `logits` (all rows random) under the rows' filters."""
+    if rows.top_k is None and rows.top_p is None and rows.min_p is None:
+        return _sample_full_vocab(logits, rows, uniforms)  # nothing to settle among candidates
     vocab = logits.shape[-1]
     k = min(vocab, max(CANDIDATES, int(rows.top_k.max()) if rows.top_k is not None else 0))
     values, ids = logits.topk(k, dim=-1)          # descending; a temperature keeps the order

@@ -19,7 +19,7 @@ from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.engine.kv_types import KVCounters, NoFreeBlocksError, PoolSnapshot
 
 EXTRA_KEY = "salt"
-BASES = [[random.Random(k).randrange(3) for _ in range(64)] for k in range(3)]
+BASES = [[random.Random(k).randrange(3) for _ in range(128)] for k in range(3)]
 
 
 class ReferenceKV:
@@ -172,7 +172,7 @@ class KVMachine(RuleBasedStateMachine):
         return self.scripts[seq][start:start + count]
 
     @rule(base=st.integers(0, 2), length=st.integers(1, 24), chunk=st.integers(0, 24),
-          edit=st.none() | st.tuples(st.integers(0, 63), st.integers(0, 2)))
+          edit=st.none() | st.tuples(st.integers(0, 127), st.integers(0, 2)))
     def admit(self, base, length, chunk, edit):
         script = list(BASES[base])
         if edit:
@@ -221,9 +221,10 @@ class KVMachine(RuleBasedStateMachine):
 
     def append_batch(self, data, seqs: list[int]) -> None:
         counts = data.draw(st.lists(st.integers(0, 5), min_size=len(seqs), max_size=len(seqs)))
+        # Sweep the first sequence's demand so the answer crosses the pool's edge.
+        for first in range(0, 41, max(1, self.ref.b // 2)):
+            self.check_can_append(seqs, [first, *counts[1:]])
         batch = [(seq, self.next_tokens(seq, count)) for seq, count in zip(seqs, counts)]
-        expected = self.ref.succeeds(lambda r: [r.append(s, t) for s, t in batch])
-        assert self.kv.can_append(seqs, [len(t) for _, t in batch]) == expected
         for seq, tokens in batch:
             if not self.append_checked(seq, tokens):
                 break
@@ -258,6 +259,11 @@ class KVMachine(RuleBasedStateMachine):
     def take_copies(self):
         assert self.kv.take_pending_copies() == self.ref.copies
         self.ref.copies = []
+
+    def check_can_append(self, seqs: list[int], counts: list[int]) -> None:
+        batch = [(seq, self.next_tokens(seq, count)) for seq, count in zip(seqs, counts)]
+        fits = self.ref.succeeds(lambda r: [r.append(s, t) for s, t in batch])
+        assert self.kv.can_append(seqs, [len(t) for _, t in batch]) == fits, batch
 
     def append_checked(self, seq: int, tokens: list[int]) -> bool:
         if not self.ref.succeeds(lambda r: r.append(seq, tokens)):

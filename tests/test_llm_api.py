@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+import io
+import sys
 
 import pytest
 
 from pagedgen import LLM, RequestOutput, SamplingParams
+from pagedgen.progress import GenerationProgress
 from tests.tiny_models import tiny_model_dir, tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -115,3 +118,28 @@ def test_an_empty_prompt_fails_alone():
     outputs = llm().generate([[], [1, 2]], GREEDY, use_tqdm=False)
     assert "prompt is empty" in outputs[0].error
     assert outputs[1].error is None and len(outputs[1].outputs[0].token_ids) == 5
+
+
+def test_engine_options_are_checked_before_the_model_loads():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM("/nonexistent/model", max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM("/nonexistent/model", max_num_seqs=0)
+
+
+class _FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_draws_only_on_a_terminal(monkeypatch):
+    assert not GenerationProgress(3, 10, enabled=True).enabled   # pytest captures stdout
+    terminal = _FakeTerminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    llm().generate([[1, 2, 3]] * 2, GREEDY, use_tqdm=True)
+    drawn = terminal.getvalue()
+    assert "2/2" in drawn and "tok/s" in drawn and "/64 blocks" in drawn
+    quiet = _FakeTerminal()
+    monkeypatch.setattr(sys, "stdout", quiet)
+    llm().generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert quiet.getvalue() == ""

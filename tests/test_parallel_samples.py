@@ -77,3 +77,17 @@ def test_seeded_samples_differ_from_each_other_and_repeat(long_model_dir, prompt
     again = samples(make_llm(folder).generate([short_prompt], params, use_tqdm=False)[0])
     assert first == again
     assert len({tuple(s) for s in first}) == N
+
+
+def test_forked_samples_survive_preemption_and_still_match_n_equals_1():
+    from tests.tiny_models import tiny_model_dir
+
+    prompt = list(range(50, 90))   # 40 tokens: 2 full shared blocks + a partial one
+    llm = LLM(str(tiny_model_dir()), dtype="float32", num_blocks=9, seed=0)
+    greedy = dict(temperature=0, max_tokens=40, ignore_eos=True)
+    together = llm.generate([prompt, prompt[::-1]], [SamplingParams(n=3, **greedy), SamplingParams(**greedy)],
+                            use_tqdm=False)
+    assert llm.engine.scheduler.stats.preemptions > 0
+    single = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0]
+    assert samples(together[0]) == [single.outputs[0].token_ids] * 3
+    assert llm.engine.kv.snapshot().blocks_used == 0

@@ -14,7 +14,7 @@ import torch
 
 from pagedgen.engine.detokenizer import IncrementalDetokenizer, final_text
 from pagedgen.engine.kv_manager import KVCacheManager
-from pagedgen.engine.scheduler import Scheduler, SchedulerOutput, rejection_reason
+from pagedgen.engine.scheduler import Scheduler, SchedulerOutput, check_step_budget, rejection_reason
 from pagedgen.engine.sequence import Sequence, SequenceGroup, SeqStatus, make_generator
 from pagedgen.engine.stop_checker import StopDecision, check_stop
 from pagedgen.memory.seq_info import SeqMemInfo
@@ -46,6 +46,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        check_step_budget(self.max_num_seqs, self.max_num_batched_tokens)
 
 
 @dataclass(slots=True)

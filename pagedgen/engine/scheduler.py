@@ -54,10 +54,7 @@ class _StepState:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({max_num_seqs}): every running sequence needs one token of the step budget")
+        check_step_budget(max_num_seqs, max_num_batched_tokens)
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -173,6 +170,13 @@ class Scheduler:
         self.waiting.extendleft(reversed(victims))  # front of the queue, in their order
         self.stats.preemptions += len(victims)
         state.output.preempted += len(victims)
+
+
+def check_step_budget(max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    if max_num_batched_tokens < max_num_seqs:
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+            f"({max_num_seqs}): every running sequence needs one token of the step budget")
 
 
 def rejection_reason(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,

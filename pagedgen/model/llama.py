@@ -24,8 +24,9 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, hidden: torch.Tensor, step: StepMetadata, layer_cache: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.attention(self.input_norm(hidden), step, layer_cache[0], layer_cache[1])
-        return hidden + self.mlp(self.post_attention_norm(hidden))
+        # In-place residual adds: `hidden` is always a tensor this forward created.
+        hidden.add_(self.attention(self.input_norm(hidden), step, layer_cache[0], layer_cache[1]))
+        return hidden.add_(self.mlp(self.post_attention_norm(hidden)))
 
 
 class LlamaDecoder(nn.Module):
