@@ -8,12 +8,15 @@ step is the bare time of the same GEMMs with the same weights and row counts: pe
 fused QKV, o_proj, fused gate/up and down projections, then the LM head on the sampled rows.
 ratio = step / floor: what attention, norms, RoPE, the KV writes and the batch bookkeeping add.
 The KV cache holds random values: attention costs the same whatever it reads.
+Both wall time and process CPU time are reported: on a machine shared with other work the
+CPU-time ratio is the steadier figure (it leaves out the time the process was not scheduled).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,14 +25,21 @@ from pagedgen.model.loader import load_model
 from pagedgen.model.runner import ModelRunner, ScheduledChunk
 
 
-def median_seconds(fn, repeats: int) -> float:
+@dataclass(slots=True)
+class Timing:
+    wall_s: float  # median wall-clock seconds
+    cpu_s: float  # median process CPU seconds
+
+
+def median_timing(fn, repeats: int) -> Timing:
     fn()  # warm-up: allocator, first-touch of the pages, lazy init
-    times = []
+    walls, cpus = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return Timing(statistics.median(walls), statistics.median(cpus))
 
 
 def gemm_floor(model, tokens: int, sampled: int, dtype: torch.dtype) -> callable:
@@ -61,9 +71,11 @@ def prefill_batch(tokens: int, block_size: int) -> list[ScheduledChunk]:
     return [ScheduledChunk(ids, 0, list(range(-(-tokens // block_size))), True)]
 
 
-def report(name: str, step_s: float, floor_s: float, tokens: int) -> None:
-    print(f"{name:<34} step {step_s * 1e3:8.1f} ms   floor {floor_s * 1e3:8.1f} ms   "
-          f"ratio {step_s / floor_s:5.2f}   {tokens / step_s:9.0f} tok/s")
+def report(name: str, step: Timing, floor: Timing, tokens: int) -> None:
+    print(f"{name:<32} wall: step {step.wall_s * 1e3:7.1f} ms floor {floor.wall_s * 1e3:7.1f} ms "
+          f"ratio {step.wall_s / floor.wall_s:4.2f} ({tokens / step.wall_s:6.0f} tok/s) | "
+          f"cpu: step {step.cpu_s * 1e3:7.1f} ms floor {floor.cpu_s * 1e3:7.1f} ms "
+          f"ratio {step.cpu_s / floor.cpu_s:4.2f}")
 
 
 def main() -> None:
@@ -86,13 +98,13 @@ def main() -> None:
           f"block_size {args.block_size}  repeats {args.repeats} (median)")
     decode = decode_batch(args.batch, args.context, args.block_size)
     report(f"decode batch {args.batch} @ context {args.context}",
-           median_seconds(lambda: runner.execute(decode, []), args.repeats),
-           median_seconds(gemm_floor(loaded.model, args.batch, args.batch, loaded.dtype), args.repeats),
+           median_timing(lambda: runner.execute(decode, []), args.repeats),
+           median_timing(gemm_floor(loaded.model, args.batch, args.batch, loaded.dtype), args.repeats),
            args.batch)
     prefill = prefill_batch(args.prefill, args.block_size)
     report(f"prefill {args.prefill} tokens",
-           median_seconds(lambda: runner.execute(prefill, []), args.repeats),
-           median_seconds(gemm_floor(loaded.model, args.prefill, 1, loaded.dtype), args.repeats),
+           median_timing(lambda: runner.execute(prefill, []), args.repeats),
+           median_timing(gemm_floor(loaded.model, args.prefill, 1, loaded.dtype), args.repeats),
            args.prefill)
 
 

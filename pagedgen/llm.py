@@ -116,16 +116,20 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool,
              on_output: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        engine = self.engine
-        with GenerationProgress(len(ids), self.runner.num_blocks, use_tqdm) as progress:
-            while engine.has_unfinished():
-                finished = engine.step()
-                for output in finished:
-                    done[output.request_id] = output
-                    if on_output is not None:
-                        on_output(output)
-                progress.update(len(finished), engine.stats.generated_tokens,
-                                engine.kv.snapshot().blocks_used)
+        try:
+            with GenerationProgress(len(ids), self.runner.num_blocks, use_tqdm) as progress:
+                while self.engine.has_unfinished():
+                    finished = self.engine.step()
+                    for output in finished:
+                        done[output.request_id] = output
+                        if on_output is not None:
+                            on_output(output)
+                    progress.update(len(finished), self.engine.stats.generated_tokens,
+                                    self.engine.kv.snapshot().blocks_used)
+        except BaseException:
+            # An error (or Ctrl-C) mid-run: drop what is left so the next call starts clean.
+            self.engine.abort_all()
+            raise
         return [done[i] for i in ids]
 
     # --- reporting ---

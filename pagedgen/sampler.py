@@ -291,6 +291,7 @@ class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
 
+    @torch.inference_mode()  # the runner's logits are inference tensors: edit them in that mode
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw = logits.float()
         processed = self._constrain(raw, batch)

@@ -118,9 +118,9 @@ def test_lookup_verifies_tokens_and_extra_key_not_just_the_hash_value():
     block = pool.allocate()
     pool.register_hash(block, real)
     assert pool.lookup(hash_block(None, (1, 2), "model-a")) == block
-    collision = BlockHash(real.value, None, (3, 4), "model-a")  # same value, other tokens
+    collision = BlockHash(real.value, (None, (3, 4), "model-a"))  # same value, other tokens
     assert pool.lookup(collision) is None
-    assert pool.lookup(BlockHash(real.value, None, (1, 2), "model-b")) is None
+    assert pool.lookup(BlockHash(real.value, (None, (1, 2), "model-b"))) is None
 
 
 def test_chained_hashes_depend_on_the_parent_and_reject_non_integer_tokens():

@@ -143,3 +143,16 @@ def test_progress_bar_draws_only_on_a_terminal(monkeypatch):
     monkeypatch.setattr(sys, "stdout", quiet)
     llm().generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     assert quiet.getvalue() == ""
+
+
+def test_an_error_mid_run_leaves_the_engine_clean_for_the_next_call():
+    def explode(output: RequestOutput) -> None:
+        raise OSError("disk full")
+
+    prompts = [[1, 2, 3], [4, 5, 6] * 5, [7] * 30]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (1, 9, 9)]
+    with pytest.raises(OSError, match="disk full"):
+        llm().generate(prompts, params, use_tqdm=False, on_output=explode)
+    assert not llm().engine.has_unfinished()
+    assert llm().engine.kv.snapshot().blocks_used == 0
+    assert len(llm().generate(prompts, params, use_tqdm=False)) == 3

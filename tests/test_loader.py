@@ -366,3 +366,19 @@ def test_tiny_gguf_loads_like_its_safetensors_twin(tmp_path, arch, gguf_arch, ti
     decoder = build_decoder(config, iter_gguf_tensors(reader, config), torch.float32, torch.device("cpu"))
     for (name, got), want in zip(decoder.state_dict().items(), expected.model.state_dict().values()):
         torch.testing.assert_close(got, want, atol=0, rtol=0, msg=name)
+
+
+def test_bad_gguf_files_get_clear_errors(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="cannot read GGUF file.*no GGUF magic"):
+        load_model(str(junk), dtype="float32")
+    other = tmp_path / "gpt2.gguf"
+    writer = GGUFWriter(other, "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported; supported: llama, qwen2"):
+        load_model(str(other), dtype="float32")

@@ -16,20 +16,34 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class BlockHash:
     """The hash of one full block plus what it was computed from (for verification)."""
 
     value: int
-    parent: int | None  # value of the previous block's hash; None for a sequence's first block
-    token_ids: tuple[int, ...]
-    extra_key: object
+    # (parent hash value or None for a first block, token ids, extra key). A plain tuple on
+    # purpose: the pool keeps one per cached block, and CPython's garbage collector stops
+    # tracking tuples of ints, where a million dataclass instances would make every full
+    # collection walk them all (measured: 2x slower engine operations at 1M blocks).
+    key: tuple[int | None, tuple[int, ...], object]
+
+    @property
+    def parent(self) -> int | None:
+        return self.key[0]
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.key[1]
+
+    @property
+    def extra_key(self) -> object:
+        return self.key[2]
 
 
 def hash_block(parent: int | None, token_ids: Sequence[int], extra_key: object) -> BlockHash:
     """Hash one full block given the hash value of the block before it."""
-    tokens = as_token_ids(token_ids)
-    return BlockHash(hash((parent, tokens, extra_key)), parent, tokens, extra_key)
+    key = (parent, as_token_ids(token_ids), extra_key)
+    return BlockHash(hash(key), key)
 
 
 def iter_block_hashes(

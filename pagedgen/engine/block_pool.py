@@ -32,7 +32,7 @@ from .kv_types import BlockStateError, KVCounters, NoFreeBlocksError
 
 class BlockPool:
     __slots__ = (
-        "num_blocks", "counters", "_ref", "_hash", "_prev", "_next", "_sentinel", "_fresh",
+        "num_blocks", "counters", "_ref", "_hash_value", "_hash_key", "_prev", "_next", "_sentinel", "_fresh",
         "_num_queued", "_num_cached_free", "_num_shared", "_cache",
     )
 
@@ -42,7 +42,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.counters = counters if counters is not None else KVCounters()
         self._ref = [0] * num_blocks
-        self._hash: list[BlockHash | None] = [None] * num_blocks
+        # A block's prefix hash, split into two flat lists of GC-untracked values (see BlockHash).
+        self._hash_value: list[int | None] = [None] * num_blocks
+        self._hash_key: list[tuple | None] = [None] * num_blocks
         # Node `num_blocks` is the sentinel: _next[sentinel] is the head, _prev[sentinel] the tail.
         self._sentinel = num_blocks
         self._prev = [num_blocks] * (num_blocks + 1)
@@ -76,7 +78,8 @@ class BlockPool:
 
     def block_hash(self, block: int) -> BlockHash | None:
         self._check_id(block)
-        return self._hash[block]
+        value = self._hash_value[block]
+        return None if value is None else BlockHash(value, self._hash_key[block])
 
     # --- allocation and references ---
     def allocate(self) -> int:
@@ -91,7 +94,7 @@ class BlockPool:
         self._check_id(block)
         ref = self._ref[block]
         if ref == 0:
-            if self._hash[block] is None:
+            if self._hash_value[block] is None:
                 raise BlockStateError(f"block {block} is free and not cached; allocate instead")
             self._unlink(block)
         elif ref == 1:
@@ -120,25 +123,26 @@ class BlockPool:
         self._check_id(block)
         if self._ref[block] == 0:
             raise BlockStateError(f"block {block} is free; only a used block can get a hash")
-        if self._hash[block] is not None:
+        if self._hash_value[block] is not None:
             raise BlockStateError(f"block {block} already has a hash (hashes are write-once)")
         if block_hash.value in self._cache:
             return False
-        self._hash[block] = block_hash
+        self._hash_value[block] = block_hash.value
+        self._hash_key[block] = block_hash.key
         self._cache[block_hash.value] = block
         return True
 
     def lookup(self, block_hash: BlockHash) -> int | None:
         """The block carrying this hash, if its recorded tokens and extra key match too."""
         block = self._cache.get(block_hash.value)
-        if block is None or self._hash[block] != block_hash:
+        if block is None or self._hash_key[block] != block_hash.key:
             return None
         return block
 
     # --- the free queue ---
     def _take_free_block(self) -> int:
         head = self._next[self._sentinel]
-        if head != self._sentinel and self._hash[head] is None:
+        if head != self._sentinel and self._hash_value[head] is None:
             self._unlink(head)
             return head
         if self._fresh < self.num_blocks:
@@ -153,14 +157,14 @@ class BlockPool:
         return head
 
     def _release(self, block: int) -> None:
-        if self._hash[block] is None:
+        if self._hash_value[block] is None:
             self._link_after(self._sentinel, block)  # front: reused first
         else:
             self._link_after(self._prev[self._sentinel], block)  # back: most recently used
 
     def _evict(self, block: int) -> None:
-        del self._cache[self._hash[block].value]
-        self._hash[block] = None
+        del self._cache[self._hash_value[block]]
+        self._hash_value[block] = self._hash_key[block] = None
         self.counters.evictions += 1
 
     def _link_after(self, node: int, block: int) -> None:
@@ -168,14 +172,14 @@ class BlockPool:
         self._prev[block], self._next[block] = node, following
         self._next[node] = self._prev[following] = block
         self._num_queued += 1
-        if self._hash[block] is not None:
+        if self._hash_value[block] is not None:
             self._num_cached_free += 1
 
     def _unlink(self, block: int) -> None:
         before, after = self._prev[block], self._next[block]
         self._next[before], self._prev[after] = after, before
         self._num_queued -= 1
-        if self._hash[block] is not None:
+        if self._hash_value[block] is not None:
             self._num_cached_free -= 1
 
     def _check_id(self, block: int) -> None:
@@ -197,16 +201,16 @@ class BlockPool:
         queued = set(queue)
         for block in range(self.num_blocks):
             self._check_block_state(block, block in queued)
-        hashed = [self._hash[b] is not None for b in queue]
+        hashed = [self._hash_value[b] is not None for b in queue]
         assert hashed == sorted(hashed), "a plain block sits behind a cached one in the free queue"
         assert self._num_cached_free == sum(hashed), "cached-free count differs from a recount"
         shared = sum(1 for ref in self._ref if ref > 1)
         assert self._num_shared == shared, f"shared count {self._num_shared} != recount {shared}"
         for value, block in self._cache.items():
-            carried = self._hash[block]
-            assert carried is not None and carried.value == value, f"hash {value} -> block {block} " \
+            assert self._hash_value[block] == value, f"hash {value} -> block {block}, " \
                 "which does not carry it"
-        carrying = sum(1 for h in self._hash if h is not None)
+            assert hash(self._hash_key[block]) == value, f"block {block}: key does not hash to value"
+        carrying = sum(1 for h in self._hash_value if h is not None)
         assert carrying == len(self._cache), "a block carries a hash missing from the registry"
 
     def _checked_queue(self) -> list[int]:
@@ -227,7 +231,7 @@ class BlockPool:
         ref = self._ref[block]
         assert ref >= 0, f"block {block} has a negative ref count"
         if block >= self._fresh:
-            assert ref == 0 and not queued and self._hash[block] is None, \
+            assert ref == 0 and not queued and self._hash_value[block] is None, \
                 f"fresh block {block} is not pristine"
         elif ref == 0:
             assert queued, f"block {block} has ref 0 but is not in the free queue"

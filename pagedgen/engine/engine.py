@@ -125,8 +125,18 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._rejected)
 
-    def num_unfinished(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running) + len(self._rejected)
+    def abort_all(self) -> list[str]:
+        """Drops every unfinished request and frees its blocks (after an error mid-run, so that
+        the engine stays usable). Returns the aborted request ids."""
+        scheduler = self.scheduler
+        seqs = list(scheduler.running) + list(scheduler.waiting)
+        scheduler.finish(list(scheduler.running))
+        scheduler.waiting.clear()
+        aborted = {s.group.request_id: None for s in seqs}
+        aborted.update({o.request_id: None for o in self._rejected})
+        self._rejected = []
+        self.kv.take_pending_copies()
+        return list(aborted)
 
     # --- one step ---
     def step(self) -> list[RequestOutput]:
@@ -134,16 +144,17 @@ class LLMEngine:
         finished, self._rejected = self._rejected, []
         self.stats.requests_failed += len(finished)
         scheduled = self.scheduler.schedule()
-        if scheduled.chunks:
-            finished += self._run(scheduled)
-        elif self.scheduler.has_unfinished():
+        if not scheduled.chunks and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not schedule anything although requests are "
                                "waiting; the KV pool is too small for the next request")
+        done = self._run(scheduled) if scheduled.chunks else []
         self.stats.steps += 1
-        self._record()
-        return finished
+        self._record()  # before freeing: the finished sequences' blocks were in use this step
+        self.scheduler.finish(done)
+        return finished + self._finished_requests(done)
 
-    def _run(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+    def _run(self, scheduled: SchedulerOutput) -> list[Sequence]:
+        """Forward, fork, sample, append; returns the sequences that finished."""
         logits = self.runner.execute(scheduled.chunks, scheduled.copies)
         sampled = [s for s, c in zip(scheduled.seqs, scheduled.chunks) if c.sample]
         if not sampled:
@@ -152,9 +163,7 @@ class LLMEngine:
         if row_index is not None:
             logits = logits.index_select(0, torch.tensor(row_index, device=logits.device))
         result = self.sampler(logits, build_batch(rows, logits.shape[-1], logits.device))
-        done = self._append_tokens(rows, result)
-        self.scheduler.finish(done)
-        return self._finished_requests(done)
+        return self._append_tokens(rows, result)
 
     def _fork_where_due(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
         """n > 1 groups whose prompt just finished fork now; every sample then draws its first

@@ -134,24 +134,29 @@ class KVCacheManager:
 
     def append_slots(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Reserve slots for the tokens computed this step (see contract); atomic on error."""
+        # Called for every running sequence every step: the common decode case (no new block,
+        # no copy, no full block) stays free of allocations and extra calls.
         seq = self._get(seq_id)
-        if len(token_ids) == 0:
+        count = len(token_ids)
+        if count == 0:
             return
         needs_copy = self._needs_copy(seq)
-        new_blocks = self._new_blocks(seq, len(token_ids))
-        self._require_free(new_blocks + needs_copy, f"sequence {seq_id}")
+        new_blocks = self._new_blocks(seq, count)
+        if needs_copy or new_blocks:
+            self._require_free(new_blocks + needs_copy, seq_id)
         # Check and hash the tokens before mutating: the only step left that can raise.
         if self.enable_prefix_caching:
             token_ids = as_token_ids(token_ids)
             completed = self._completed_block_hashes(seq, token_ids)
         if needs_copy:
             self._copy_on_write(seq)
-        seq.table.extend(self._pool.allocate() for _ in range(new_blocks))
-        self._logical_blocks += new_blocks
-        self._tokens_stored += len(token_ids)
+        if new_blocks:
+            seq.table.extend([self._pool.allocate() for _ in range(new_blocks)])
+            self._logical_blocks += new_blocks
+        self._tokens_stored += count
         if self.enable_prefix_caching:
             self._register_hashes(seq, token_ids, completed)
-        seq.num_tokens += len(token_ids)
+        seq.num_tokens += count
 
     def fork(self, parent_id: int, child_id: int) -> None:
         parent = self._get(parent_id)
@@ -236,7 +241,7 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def _new_blocks(self, seq: _SequenceBlocks, num_tokens: int) -> int:
-        return self._blocks_spanned(seq.num_tokens + num_tokens) - len(seq.table)
+        return -(-(seq.num_tokens + num_tokens) // self.block_size) - len(seq.table)
 
     def _needs_copy(self, seq: _SequenceBlocks) -> bool:
         """Is the last block partial and shared, so that writing into it needs a copy?"""
@@ -304,11 +309,11 @@ class KVCacheManager:
     def _block_fill(self, seq: _SequenceBlocks, index: int) -> int:
         return min(self.block_size, seq.num_tokens - index * self.block_size)
 
-    def _require_free(self, needed: int, who: str) -> None:
+    def _require_free(self, needed: int, seq_id: int) -> None:
         available = self._pool.num_free
         if needed > available:
             raise NoFreeBlocksError(
-                f"{who} needs {needed} free KV blocks but only {available} of "
+                f"sequence {seq_id} needs {needed} free KV blocks but only {available} of "
                 f"{self.num_blocks} are free", needed=needed, available=available,
                 total=self.num_blocks)
 

@@ -11,9 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class PoolSnapshot:
-    """The pool at one moment. Every field is kept incrementally, so taking one is O(1)."""
+    """The pool at one moment. Every field is kept incrementally, so taking one is O(1).
+
+    Not frozen: a frozen dataclass pays an object.__setattr__ per field, and one is built every
+    engine step. Each call returns a new object, so holding on to one is safe.
+    """
 
     num_blocks: int
     blocks_used: int  # ref count > 0
