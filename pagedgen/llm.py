@@ -90,7 +90,7 @@ class LLM:
              use_tqdm: bool = True, on_output: Callable[[RequestOutput], None] | None = None,
              request_ids: list[str] | None = None) -> list[RequestOutput]:
         """Applies the tokenizer's chat template (with the generation prompt) and generates."""
-        single = isinstance(conversations, list) and bool(conversations) and isinstance(conversations[0], dict)
+        single = bool(conversations) and isinstance(conversations[0], dict)  # one conversation
         batch = [conversations] if single else list(conversations)
         tokenizer = self.loaded.tokenizer
         if getattr(tokenizer, "chat_template", None) is None:

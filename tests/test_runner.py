@@ -78,6 +78,15 @@ def test_kv_cache_layout_and_dtype_follow_the_model():
     assert runner.kv_cache_bytes == 5 * 16 * cfg.kv_bytes_per_token(torch.bfloat16)
 
 
+def test_kv_cache_starts_zeroed_even_on_recycled_memory():
+    """Kernels gather whole blocks and mask the tail; a NaN left in memory by an earlier
+    tensor would survive the mask (0 * NaN) and poison the logits."""
+    garbage = torch.full((2, 2, 6, 8, 2, 16), float("nan"))  # exactly the pool's size
+    del garbage
+    runner = ModelRunner(tiny_loaded_model(), 8, num_blocks=6)
+    assert torch.count_nonzero(runner.kv_cache) == 0
+
+
 def test_sizing_arithmetic():
     # SmolLM2-135M: 30 layers, 3 kv heads of 64 -> 2 * 30 * 3 * 64 * 2 bytes in bf16
     assert kv.kv_bytes_per_token(30, 3, 64, torch.bfloat16) == 23040

@@ -47,7 +47,8 @@ class EngineConfig:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+            raise ValueError("enable_prefix_caching must be True or False, "
+                             f"got {self.enable_prefix_caching!r}")
         check_step_budget(self.max_num_seqs, self.max_num_batched_tokens)
 
 
@@ -148,9 +149,9 @@ class LLMEngine:
             raise RuntimeError("the scheduler could not schedule anything although requests are "
                                "waiting; the KV pool is too small for the next request")
         done = self._run(scheduled) if scheduled.chunks else []
-        self.stats.steps += 1
-        self._record()  # before freeing: the finished sequences' blocks were in use this step
         self.scheduler.finish(done)
+        self.stats.steps += 1
+        self._record()  # after finishing (issue 4's order): the timeline ends at 0 blocks
         return finished + self._finished_requests(done)
 
     def _run(self, scheduled: SchedulerOutput) -> list[Sequence]:

@@ -98,13 +98,15 @@ def _budget(kv_memory_bytes, kv_memory_fraction, device) -> tuple[int, str]:
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """The one pool for all layers: [L, 2, num_blocks, B, H_kv, D].
+    """The one pool for all layers: [L, 2, num_blocks, B, H_kv, D], zero-filled.
 
-    torch.empty, not zeros: every slot is written by store_kv before seq_lens lets a kernel
-    read it, and untouched pages of an empty CPU tensor cost no physical memory.
+    Zeros, not torch.empty: the CPU kernels gather whole blocks (block tails past seq_len,
+    padded table entries) and mask them in the softmax, but 0 * NaN is NaN — recycled memory
+    holding inf/NaN bit patterns (e.g. a freed -inf attention mask) turned whole batches of
+    logits into NaN. Once zeroed, every value in the pool stays finite.
     """
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    return torch.empty(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
