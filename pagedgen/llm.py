@@ -10,6 +10,7 @@ LLM loads the model, sizes the KV pool, and drives the engine until every reques
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -140,8 +141,6 @@ class LLM:
     @property
     def stats(self) -> dict[str, int]:
         """Engine and scheduler counters (steps, tokens, preemptions, recomputed tokens...)."""
-        from dataclasses import asdict
-
         return {**asdict(self.engine.stats), **asdict(self.engine.scheduler.stats)}
 
 
