@@ -24,6 +24,8 @@ class DecodeGroup:
     blocks: torch.Tensor  # int64 [S_d * nb]: physical blocks to gather, nb per sequence
     num_blocks: int  # nb = blocks per sequence after padding to the longest one
     mask: torch.Tensor  # bool [S_d, 1, 1, nb * B]: True where the key is inside the sequence
+    tables: torch.Tensor  # int64 [S_d, nb]: the decode sequences' block tables (native kernel)
+    lens: torch.Tensor  # int64 [S_d]: their context lengths
 
 
 @dataclass(slots=True)
@@ -89,7 +91,8 @@ def _plan_decode(tables: torch.Tensor, seq_lens: torch.Tensor, starts: torch.Ten
     key_pos = torch.arange(nb * block_size)
     mask = (key_pos[None, :] < lens[:, None]).view(len(ids), 1, 1, -1)
     return DecodeGroup(rows=starts[ids].to(device), blocks=blocks.to(device), num_blocks=nb,
-                       mask=mask.to(device))
+                       mask=mask.to(device), tables=tables[ids, :nb].contiguous().to(device),
+                       lens=lens.contiguous().to(device))
 
 
 def _plan_prefill(table: torch.Tensor, seq_len: int, begin: int, end: int, block_size: int,

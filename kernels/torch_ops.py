@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .attention_plan import AttentionPlan, PrefillChunk, plan_attention
 from .checks import check_attention_args, check_copy_args, check_plan_fits, check_store_args
 
@@ -79,7 +80,13 @@ def _gather_kv(k_cache, v_cache, blocks, num_seqs, plan: AttentionPlan):
 
 def _attend_decodes(query, k_cache, v_cache, plan: AttentionPlan, scale, out) -> None:
     group = plan.decode
-    q = query.index_select(0, group.rows).unsqueeze(2)  # [S_d, H_q, 1, D]
+    q = query.index_select(0, group.rows)  # [S_d, H_q, D], contiguous
+    attended = plan.buffer("decode_out", tuple(q.shape), q)
+    # The native kernel reads K/V in place through the tables (no gather): ~3x less traffic.
+    if native.decode_attention(q, k_cache, v_cache, group.tables, group.lens, scale, attended):
+        out.index_copy_(0, group.rows, attended)
+        return
+    q = q.unsqueeze(2)  # [S_d, H_q, 1, D]
     k, v = _gather_kv(k_cache, v_cache, group.blocks, group.rows.numel(), plan)
     attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale,
                                               enable_gqa=True)

@@ -18,13 +18,14 @@ from typing import Any, Callable
 
 import yaml
 
+from pagedgen.checks import int_at_least, is_int
+from pagedgen.defaults import DEFAULT_KV_MEMORY
 from pagedgen.requests import validate_sampling_fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
-# Running without --config means these values, which configs/default.yaml spells out (a test
-# keeps the two equal).
-DEFAULT_KV_MEMORY = 2**30
+# Running without --config means these values (and DEFAULT_KV_MEMORY), which
+# configs/default.yaml spells out (a test keeps the two equal).
 DEFAULT_SAMPLING = {"n": 1, "max_tokens": 256, "temperature": 0.7, "top_p": 0.95, "top_k": 0,
                     "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                     "repetition_penalty": 1.0}
@@ -61,14 +62,6 @@ class RunConfig:
 
 
 # --- value checks: each returns the normalised value or raises ValueError(requirement) ---
-
-def _int(minimum: int) -> Callable[[Any], int]:
-    def check(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"must be an integer >= {minimum}")
-        return value
-    return check
-
 
 def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda value: None if value is None else check(value)
@@ -111,7 +104,7 @@ _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
 
 def parse_size(value: Any) -> int:
     """Bytes from an integer or a string such as '2GiB', '512 MiB', '1.5GB'."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+    if is_int(value) and value > 0:
         return value
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
     unit = match and _SIZE_UNITS.get(match.group(2).lower())
@@ -124,15 +117,15 @@ _ENGINE_CHECKS: dict[str, Callable[[Any], Any]] = {
     "model": _model,
     "dtype": _dtype,
     "device": _device,
-    "block_size": _int(1),
+    "block_size": int_at_least(1),
     "kv_memory": _optional(parse_size),
-    "num_blocks": _optional(_int(1)),
-    "max_num_seqs": _int(1),
-    "max_num_batched_tokens": _int(1),
-    "max_model_len": _optional(_int(2)),
+    "num_blocks": _optional(int_at_least(1)),
+    "max_num_seqs": int_at_least(1),
+    "max_num_batched_tokens": int_at_least(1),
+    "max_model_len": _optional(int_at_least(2)),
     "enable_prefix_caching": _bool,
-    "seed": _int(0),
-    "threads": _optional(_int(1)),
+    "seed": int_at_least(0),
+    "threads": _optional(int_at_least(1)),
 }
 
 _OUTPUT_CHECKS: dict[str, Callable[[Any], Any]] = {

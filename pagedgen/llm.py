@@ -9,12 +9,14 @@ LLM loads the model, sizes the KV pool, and drives the engine until every reques
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
+from pagedgen.checks import require_int
+from pagedgen.defaults import default_kv_memory
 from pagedgen.engine.engine import EngineConfig, LLMEngine
 from pagedgen.memory.report import build_report
 from pagedgen.memory.tracker import MemoryTracker
@@ -22,19 +24,18 @@ from pagedgen.model.loader import load_model
 from pagedgen.model.runner import ModelRunner
 from pagedgen.outputs import RequestOutput
 from pagedgen.progress import GenerationProgress
+from pagedgen.prompts import (Conversation, Prompt, encode_chat, normalize_prompts,
+                              normalize_sampling_params)
 from pagedgen.sampling import SamplingParams
-
-Conversation = list[dict[str, Any]]
-Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
     """Engine options (all keyword): dtype ("auto"/None: the loader's choice), device
-    ("auto"/None: CUDA when available, else CPU), block_size, num_blocks (or num_gpu_blocks, vLLM's
-    name) or kv_memory (bytes for the pool), max_num_seqs, max_num_batched_tokens, max_model_len
-    (default: the model's max_position_embeddings capped by the pool's capacity),
-    enable_prefix_caching, seed (for unseeded requests), threads (torch.set_num_threads; None
-    leaves torch's choice)."""
+    ("auto"/None: CUDA when available, else CPU), block_size, num_blocks (or num_gpu_blocks,
+    vLLM's name) or kv_memory (bytes for the pool; neither: 1 GiB on CPU, a share of free
+    memory on CUDA), max_num_seqs, max_num_batched_tokens, max_model_len (default: the model's
+    max_position_embeddings capped by the pool's capacity), enable_prefix_caching, seed (for
+    unseeded requests), threads (torch.set_num_threads; None leaves torch's choice)."""
 
     def __init__(self, model: str | None = None, *, dtype: str | torch.dtype | None = None,
                  device: str | None = None, block_size: int = 16, num_blocks: int | None = None,
@@ -43,14 +44,13 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  seed: int = 0, threads: int | None = None) -> None:
         _set_threads(threads)
-        _check_positive_int("block_size", block_size)
+        require_int("block_size", block_size)
         # Checked before the (slow) model load, so that a typo fails at once.
         EngineConfig(max_num_seqs, max_num_batched_tokens, 1, enable_prefix_caching, seed)
-        if num_blocks is not None and num_gpu_blocks is not None and num_blocks != num_gpu_blocks:
-            raise ValueError("give num_blocks or num_gpu_blocks, not two different values")
-        self.loaded = load_model(model, None if dtype == "auto" else dtype, _resolve_device(device))
-        self.runner = ModelRunner(self.loaded, block_size,
-                                  num_blocks=num_blocks if num_blocks is not None else num_gpu_blocks,
+        device = _resolve_device(device)
+        num_blocks, kv_memory = _pool_size(num_blocks, num_gpu_blocks, kv_memory, device)
+        self.loaded = load_model(model, None if dtype == "auto" else dtype, device)
+        self.runner = ModelRunner(self.loaded, block_size, num_blocks=num_blocks,
                                   kv_memory_bytes=kv_memory)
         self.max_model_len = _resolve_max_model_len(
             max_model_len, self.loaded.config.max_position_embeddings, self.runner.num_blocks * block_size)
@@ -93,14 +93,10 @@ class LLM:
         """Applies the tokenizer's chat template (with the generation prompt) and generates."""
         single = bool(conversations) and isinstance(conversations[0], dict)  # one conversation
         batch = [conversations] if single else list(conversations)
-        tokenizer = self.loaded.tokenizer
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template; use generate() instead")
-        texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
-                 for c in batch]
-        # The template already holds the special tokens (BOS): do not add them twice.
-        prompts = [{"prompt": t, "prompt_token_ids": tokenizer.encode(t, add_special_tokens=False)}
-                   for t in texts]
+        prompts = []
+        for conversation in batch:
+            text, ids = encode_chat(self.loaded.tokenizer, conversation)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm, on_output, request_ids)
 
     def _request_ids(self, given: list[str] | None, count: int) -> list[str]:
@@ -147,13 +143,8 @@ class LLM:
 def _set_threads(threads: int | None) -> None:
     if threads is None:
         return
-    _check_positive_int("threads", threads)
+    require_int("threads", threads)
     torch.set_num_threads(threads)
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _resolve_device(device: str | None) -> str:
@@ -162,60 +153,23 @@ def _resolve_device(device: str | None) -> str:
     return device
 
 
+def _pool_size(num_blocks: int | None, num_gpu_blocks: int | None, kv_memory: int | None,
+               device: str) -> tuple[int | None, int | None]:
+    """(num_blocks, kv_memory bytes) for the runner; the shared default when neither is given."""
+    if num_blocks is not None and num_gpu_blocks is not None and num_blocks != num_gpu_blocks:
+        raise ValueError("give num_blocks or num_gpu_blocks, not two different values")
+    num_blocks = num_blocks if num_blocks is not None else num_gpu_blocks
+    if num_blocks is None and kv_memory is None:
+        kv_memory = default_kv_memory(torch.device(device).type)
+    return num_blocks, kv_memory
+
+
 def _resolve_max_model_len(requested: int | None, max_positions: int, pool_tokens: int) -> int:
     if requested is None:
         return min(max_positions, pool_tokens)
-    _check_positive_int("max_model_len", requested)
+    require_int("max_model_len", requested)
     if requested > max_positions:
         raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings "
                          f"({max_positions}); lower --max-model-len")
     # Above the pool's capacity is allowed: requests that would not fit fail alone, with a reason.
     return requested
-
-
-def normalize_prompts(prompts: Prompt | list[Prompt], tokenizer: Any) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) per prompt. A flat list of ints is ONE prompt of token ids."""
-    if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
-        prompts = [prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a string, a list of token ids, a dict, or a list of "
-                         f"these; got {type(prompts).__name__}")
-    return [_one_prompt(p, i, tokenizer) for i, p in enumerate(prompts)]
-
-
-def _is_token_list(value: object) -> bool:
-    return (isinstance(value, (list, tuple)) and len(value) > 0
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
-
-
-def _one_prompt(prompt: Prompt, index: int, tokenizer: Any) -> tuple[str | None, list[int]]:
-    if isinstance(prompt, dict):
-        text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
-        if ids is not None:
-            if not _is_token_list(ids) and ids != []:
-                raise ValueError(f"prompts[{index}]['prompt_token_ids'] must be a list of ints")
-            return text, list(ids)
-        if not isinstance(text, str):
-            raise ValueError(f"prompts[{index}] must hold 'prompt' (a string) or 'prompt_token_ids'")
-        prompt = text
-    if isinstance(prompt, str):
-        return prompt, tokenizer.encode(prompt)
-    if _is_token_list(prompt) or prompt == []:
-        return None, list(prompt)
-    raise ValueError(f"prompts[{index}] must be a string, a list of token ids or a dict, "
-                     f"got {type(prompt).__name__}")
-
-
-def normalize_sampling_params(params: SamplingParams | Iterable[SamplingParams] | None,
-                              count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    params = list(params)
-    if len(params) != count:
-        raise ValueError(f"sampling_params has {len(params)} entries for {count} prompts")
-    for i, p in enumerate(params):
-        if not isinstance(p, SamplingParams):
-            raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
-    return params

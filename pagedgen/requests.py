@@ -23,26 +23,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from pagedgen import openai_batch
+from pagedgen.checks import int_at_least, is_int
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 
 
 # --- sampling fields: name -> check that returns the value or raises ValueError(requirement) ---
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def _int_at_least(minimum: int) -> Callable[[Any], int]:
-    def check(value: Any) -> int:
-        if not _is_int(value) or value < minimum:
-            raise ValueError(f"must be an integer >= {minimum}")
-        return value
-    return check
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 def _number_in(low: float, high: float, low_open: bool = False) -> Callable[[Any], float]:
@@ -55,13 +44,13 @@ def _number_in(low: float, high: float, low_open: bool = False) -> Callable[[Any
 
 
 def _top_k(value: Any) -> int:
-    if not _is_int(value) or value < -1:
+    if not is_int(value) or value < -1:
         raise ValueError("must be an integer >= 1, or 0 / -1 for no top-k cut")
     return value
 
 
 def _optional_seed(value: Any) -> int | None:
-    if value is not None and (not _is_int(value) or value < 0):
+    if value is not None and (not is_int(value) or value < 0):
         raise ValueError("must be a non-negative integer or null")
     return value
 
@@ -74,7 +63,7 @@ def _stop(value: Any) -> list[str]:
 
 
 def _token_ids(value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+    if not isinstance(value, list) or not all(is_int(t) and t >= 0 for t in value):
         raise ValueError("must be a list of non-negative integers")
     return value
 
@@ -86,15 +75,15 @@ def _flag(value: Any) -> bool:
 
 
 def _optional_logprobs(value: Any) -> int | None:
-    if value is not None and (not _is_int(value) or not 0 <= value <= 20):
+    if value is not None and (not is_int(value) or not 0 <= value <= 20):
         raise ValueError("must be an integer in [0, 20] (top alternatives per token) or null")
     return value
 
 
 SAMPLING_FIELDS: dict[str, Callable[[Any], Any]] = {
-    "n": _int_at_least(1),
-    "max_tokens": _int_at_least(1),
-    "min_tokens": _int_at_least(0),
+    "n": int_at_least(1),
+    "max_tokens": int_at_least(1),
+    "min_tokens": int_at_least(0),
     "temperature": _number_in(0.0, 100.0),
     "top_p": _number_in(0.0, 1.0, low_open=True),
     "top_k": _top_k,
@@ -199,7 +188,7 @@ def _validate_prompt(kind: str, value: Any) -> Any:
     if kind == "messages":
         return _validate_messages(value)
     if kind == "prompt_token_ids":
-        if not value or not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+        if not value or not isinstance(value, list) or not all(is_int(t) and t >= 0 for t in value):
             raise ValueError("'prompt_token_ids' must be a non-empty list of non-negative integers")
         return value
     if not isinstance(value, str) or not value:
@@ -208,7 +197,7 @@ def _validate_prompt(kind: str, value: Any) -> Any:
 
 
 def _validate_id(value: Any) -> str | int:
-    if not ((isinstance(value, str) and value) or _is_int(value)):
+    if not ((isinstance(value, str) and value) or is_int(value)):
         raise ValueError(f"'id' must be a non-empty string or an integer, got {value!r}")
     return value
 
@@ -267,7 +256,7 @@ def _id_for_error(obj: Any, line: int, openai: bool) -> str | int | None:
     if not isinstance(obj, dict):
         return None
     value = obj.get("custom_id") if openai else obj.get("id", line)
-    return value if (isinstance(value, str) and value) or _is_int(value) else None
+    return value if (isinstance(value, str) and value) or is_int(value) else None
 
 
 def iter_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:

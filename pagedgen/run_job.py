@@ -23,6 +23,7 @@ from pagedgen.config import RunConfig
 from pagedgen.output_writer import (JsonlAppender, OutputFileError, RequestResult, SampleResult,
                                     TokenLogprob, completed_keys, error_record, result_record,
                                     write_atomically, write_ordered)
+from pagedgen.prompts import encode_chat
 from pagedgen.requests import Request, RequestError, read_requests
 
 if TYPE_CHECKING:
@@ -136,11 +137,7 @@ def prompt_token_ids(request: Request, tokenizer: Any) -> list[int]:
         return request.prompt_token_ids
     if request.messages is None:
         return tokenizer.encode(request.prompt)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("'messages' needs a chat template, and this model's tokenizer has none")
-    # The template adds the special tokens itself (as vLLM does), so don't add BOS again.
-    text = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encode_chat(tokenizer, request.messages)[1]   # the same rule as LLM.chat
 
 
 def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:

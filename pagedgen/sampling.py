@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedgen.checks import is_int
+
 # vLLM defaults to 16 new tokens, which silently truncates almost every real answer. 256 is long
 # enough for a paragraph or a short chat reply, and short enough that a batch without explicit
 # limits still finishes in reasonable time on a CPU.
@@ -24,8 +26,7 @@ def _fail(name: str, requirement: str, value: object) -> None:
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
-    # bool is an int subclass; True as "n" is almost certainly a mistake.
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         _fail(name, "must be an integer", value)
     if value < minimum:
         _fail(name, f"must be >= {minimum}", value)
@@ -130,7 +131,7 @@ def _normalize_stop_token_ids(ids: object) -> list[int]:
     if ids is None:
         return []
     if not isinstance(ids, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            is_int(t) and t >= 0 for t in ids):
         _fail("stop_token_ids", "must be a list of non-negative integers", ids)
     return list(ids)
 

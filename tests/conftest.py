@@ -1,4 +1,6 @@
 import os
+import sys
+from pathlib import Path
 
 # Triton kernels run on CPU tensors through the interpreter; it must be set before any
 # kernel is decorated, i.e. before pagedgen.kernels.triton_ops is imported.
@@ -8,6 +10,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+
+# Helpers are imported as `from tiny_models import ...` whatever pytest's import mode; one module
+# name matters: `tests.tiny_models` next to `tiny_models` loads it twice, with separate caches.
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 # Two cores and pytest-xdist workers: one thread per worker is fastest and deterministic.
 torch.set_num_threads(1)

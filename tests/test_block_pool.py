@@ -61,6 +61,35 @@ def test_incref_takes_a_cached_block_out_of_the_middle_of_the_queue():
     pool.check_integrity()
 
 
+class CountingList(list):
+    """A link list that counts how many links are read."""
+
+    reads = 0
+
+    def __getitem__(self, index):
+        CountingList.reads += 1
+        return super().__getitem__(index)
+
+
+def test_cached_free_blocks_walks_only_the_cached_tail_of_the_queue():
+    pool = BlockPool(1000)
+    blocks = [pool.allocate() for _ in range(1000)]
+    cached = blocks[:3]
+    for i, block in enumerate(cached):
+        assert pool.register_hash(block, hash_block(None, (i,), None))
+    for block in [cached[1], *blocks[3:], cached[0], cached[2]]:   # 997 plain ones between
+        pool.decref(block)
+    assert pool.cached_free_blocks() == [cached[1], cached[0], cached[2]]  # next evicted first
+    assert pool.cached_free_blocks() == [b for b in pool.free_queue() if pool.block_hash(b)]
+    pool._prev = CountingList(pool._prev)
+    CountingList.reads = 0
+    pool.cached_free_blocks()
+    assert CountingList.reads == 4    # the sentinel's tail link + one per cached block
+    pool.incref(cached[0])            # a prefix hit takes one out of the middle
+    assert pool.cached_free_blocks() == [cached[1], cached[2]]
+    assert BlockPool(5).cached_free_blocks() == []
+
+
 def test_ref_counts_and_shared_count_follow_incref_and_decref():
     pool = BlockPool(2)
     block = pool.allocate()

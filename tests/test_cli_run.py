@@ -206,7 +206,7 @@ def test_sigterm_to_a_real_process_leaves_whole_lines(tmp_path, config_path):
     inputs = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"y = {i}", "max_tokens": 40}
                                                  for i in range(count)])
     output = tmp_path / "in.completions.jsonl"
-    command = [sys.executable, "-c", "from pagedgen.cli import app; app()", "run", str(inputs),
+    command = [sys.executable, "-m", "pagedgen", "run", str(inputs),
                "-c", str(config_path), "--max-num-seqs", "1", "--no-report", "-q"]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     process = subprocess.Popen(command, stderr=subprocess.PIPE, env=env)

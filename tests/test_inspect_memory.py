@@ -12,7 +12,6 @@ from typer.testing import CliRunner
 from pagedgen.cli import app
 from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.memory.block_map import BlockState, build_pool_map, token_address
-from pagedgen.memory.gguf_header import read_gguf_metadata
 from pagedgen.memory.inspect import inspect_report
 from pagedgen.memory.render_map import map_layout, pool_map_text
 from pagedgen.memory.report import build_report
@@ -79,31 +78,69 @@ def test_cli_tables_and_errors(smollm2_config_dir):
     assert bad_dtype.exit_code == 2 and "dtype" in bad_dtype.output
 
 
-def test_gguf_metadata_is_read_without_the_tensors(tmp_path):
+def write_header_only_gguf(path, sliding_window: int | None = None) -> None:
+    """SmolLM2-135M's metadata and a 4-token embedding: all that sizing may read."""
     import gguf
     import numpy as np
 
-    path = tmp_path / "m.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(30)
     writer.add_context_length(8192)
     writer.add_embedding_length(576)
+    writer.add_feed_forward_length(1536)
     writer.add_head_count(9)
     writer.add_head_count_kv(3)
-    writer.add_token_list(["a", "bb", "ccc"])        # an array field, skipped on the way
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    if sliding_window is not None:
+        writer.add_sliding_window(sliding_window)
+    writer.add_token_list(["a", "bb", "ccc"])        # a string array, skipped by the reader
+    writer.add_tensor("token_embd.weight", np.zeros((4, 576), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    reference = {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()
-                 if k.startswith(("llama.", "general."))}
-    assert read_gguf_metadata(path) == reference
+
+
+def test_gguf_shape_comes_from_the_loaders_config(tmp_path):
+    from pagedgen.model.gguf_loader import gguf_model_config, open_gguf
+
+    path = tmp_path / "m.gguf"
+    write_header_only_gguf(path)
     shape = read_model_shape(path)
-    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.max_position_embeddings) == (30, 3, 64, 8192)
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.max_position_embeddings) == \
+        (30, 3, 64, 8192)
+    assert shape.name == "m.gguf"
+    config = gguf_model_config(open_gguf(path))
+    assert (config.num_layers, config.num_kv_heads, config.head_dim) == (30, 3, 64)
     (tmp_path / "bad.gguf").write_bytes(b"nope, not a model")
     with pytest.raises(ValueError, match="not a GGUF"):
-        read_gguf_metadata(tmp_path / "bad.gguf")
+        read_model_shape(tmp_path / "bad.gguf")
+
+
+def test_sliding_window_caps_the_length_for_gguf_and_config_json(tmp_path, smollm2_config_dir):
+    path = tmp_path / "windowed.gguf"
+    write_header_only_gguf(path, sliding_window=4096)
+    assert read_model_shape(path).max_position_embeddings == 4096
+    from transformers import MistralConfig
+
+    folder = tmp_path / "mistral"
+    MistralConfig(**SMOLLM2, sliding_window=1024).save_pretrained(folder)
+    assert read_model_shape(folder).max_position_embeddings == 1024
+    assert read_model_shape(smollm2_config_dir).max_position_embeddings == 8192  # Llama: no window
+
+
+def test_without_a_size_inspect_memory_and_llm_pick_the_same_pool():
+    from pagedgen import LLM
+    from pagedgen.config import RunConfig
+    from pagedgen.defaults import DEFAULT_KV_MEMORY
+    from pagedgen.memory.inspect import sizing_for_config
+    from tiny_models import tiny_model_dir
+
+    folder = str(tiny_model_dir("llama"))
+    sized = sizing_for_config(RunConfig(model=folder, dtype="float32", device="cpu", kv_memory=None))
+    llm = LLM(folder, dtype="float32", device="cpu")
+    # 512 B per token (see above) x 16 tokens a block: 1 GiB, not a share of free memory.
+    assert llm.runner.num_blocks == sized["num_blocks"] == DEFAULT_KV_MEMORY // (512 * 16)
+    assert llm.max_model_len == sized["max_model_len"] == 512
 
 
 @pytest.fixture(scope="module")

@@ -128,6 +128,10 @@ class ReferenceKV:
     def num_free(self) -> int:
         return sum(1 for ref in self.ref.values() if ref == 0)
 
+    def cached_free_blocks(self) -> list[int]:
+        cached = [b for b in range(self.n) if self.ref[b] == 0 and self.key[b] is not None]
+        return sorted(cached, key=self.released_at.__getitem__)  # the next eviction first
+
     def snapshot(self) -> PoolSnapshot:
         fills = {}
         for seq, table in self.tables.items():
@@ -292,6 +296,7 @@ class KVMachine(RuleBasedStateMachine):
         assert self.kv.block_tables() == self.ref.tables
         assert self.kv.snapshot() == self.ref.snapshot()
         assert self.kv.counters == self.ref.counters
+        assert self.kv.cached_free_blocks() == self.ref.cached_free_blocks()
         for block in range(self.ref.n):
             assert self.kv.ref_count(block) == self.ref.ref[block]
             assert self.kv.is_cached(block) == (self.ref.key[block] is not None)

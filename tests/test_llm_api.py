@@ -10,7 +10,7 @@ import pytest
 
 from pagedgen import LLM, RequestOutput, SamplingParams
 from pagedgen.progress import GenerationProgress
-from tests.tiny_models import tiny_model_dir, tiny_tokenizer
+from tiny_models import tiny_model_dir, tiny_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 

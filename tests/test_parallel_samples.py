@@ -12,24 +12,16 @@ import pytest
 import torch
 
 from pagedgen import LLM, SamplingParams
-from tests.tiny_models import hf_config, tiny_tokenizer
+from tiny_models import tiny_hf_model, tiny_model_dir
 
 PROMPT_LEN, NEW_TOKENS, N = 1000, 64, 4
 
 
 @pytest.fixture(scope="module")
-def long_model_dir(tmp_path_factory):
-    """The tiny Llama of tests/tiny_models.py, with room for 1,064 positions."""
-    from transformers import AutoModelForCausalLM
-
-    config = hf_config("llama")
-    config.max_position_embeddings = 2048
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    folder = tmp_path_factory.mktemp("long") / "llama-2k"
-    model.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder, model.eval()
+def long_model_dir():
+    """The tiny Llama of tiny_models.py, with room for 1,064 positions."""
+    long = dict(max_position_embeddings=2048)
+    return tiny_model_dir("llama", **long), tiny_hf_model("llama", **long)
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +72,6 @@ def test_seeded_samples_differ_from_each_other_and_repeat(long_model_dir, prompt
 
 
 def test_forked_samples_survive_preemption_and_still_match_n_equals_1():
-    from tests.tiny_models import tiny_model_dir
-
     prompt = list(range(50, 90))   # 40 tokens: 2 full shared blocks + a partial one
     llm = LLM(str(tiny_model_dir()), dtype="float32", num_blocks=9, seed=0)
     greedy = dict(temperature=0, max_tokens=40, ignore_eos=True)

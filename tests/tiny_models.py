@@ -2,13 +2,15 @@
 
 Shared by every test file that needs a model:
 
-    from tiny_models import tiny_loaded_model, tiny_model_dir, tiny_tokenizer   # tests/ is on sys.path
+    from tiny_models import tiny_loaded_model, tiny_model_dir, tiny_tokenizer   # conftest: tests/ on sys.path
     loaded = tiny_loaded_model("llama")                 # pagedgen LoadedModel, float32
     folder = tiny_model_dir("qwen3", tied=True)          # HF folder: config + safetensors + tokenizer
     hf = tiny_hf_model("mistral")                        # the transformers model of that folder
+    long = tiny_model_dir("llama", max_position_embeddings=2048)   # room for longer prompts
 
 Everything is cached per process (xdist workers each build their own, in a temp folder removed
-at exit). Building a model folder takes well under a second; the tokenizer ~0.1 s.
+at exit). Import it only as `tiny_models`, never `tests.tiny_models`: a second module object
+would have its own caches and build every model again. Building a model folder takes well under a second; the tokenizer ~0.1 s.
 Weights are random but deterministic (seeded), with norms and biases perturbed away from
 their 1/0 init so that loading them wrongly changes the output.
 """
@@ -23,6 +25,10 @@ from pathlib import Path
 
 import torch
 
+if __name__ != "tiny_models":  # e.g. `tests.tiny_models`: a second copy with caches of its own
+    raise ImportError(f"import this module as `tiny_models` (conftest puts tests/ on sys.path), "
+                      f"not as `{__name__}`")
+
 ARCHITECTURES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
@@ -33,9 +39,9 @@ CHAT_TEMPLATE = (
 # Small stdlib modules with English prose and code: a varied corpus present on every machine.
 _CORPUS_MODULES = ("textwrap.py", "string.py", "glob.py", "fnmatch.py", "this.py")
 
+MAX_POSITIONS = 512
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
-               initializer_range=0.1)
+               num_key_value_heads=2, rms_norm_eps=1e-5, initializer_range=0.1)
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
@@ -66,12 +72,13 @@ def tiny_tokenizer():
                                    chat_template=CHAT_TEMPLATE)
 
 
-def hf_config(arch: str, tied: bool = False):
+def hf_config(arch: str, tied: bool = False, max_position_embeddings: int = MAX_POSITIONS):
     """The transformers config of a tiny model of `arch` (one of ARCHITECTURES)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     tokenizer = tiny_tokenizer()
     ids = dict(vocab_size=len(tokenizer), tie_word_embeddings=tied,
+               max_position_embeddings=max_position_embeddings,
                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                bos_token_id=tokenizer.bos_token_id)
     if arch == "llama":
@@ -88,17 +95,19 @@ def hf_config(arch: str, tied: bool = False):
 
 
 @functools.cache
-def tiny_model_dir(arch: str = "llama", tied: bool = False, seed: int = 0) -> Path:
+def tiny_model_dir(arch: str = "llama", tied: bool = False, seed: int = 0,
+                   max_position_embeddings: int = MAX_POSITIONS) -> Path:
     """An HF model folder (float32 safetensors, config, tokenizer) of a tiny random model."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # save_pretrained's shard bar is noise in test logs
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(arch, tied), dtype=torch.float32)
+    config = hf_config(arch, tied, max_position_embeddings)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _perturb_norms_and_biases(model, seed)
     model.generation_config.eos_token_id = None  # see tiny_hf_model
-    folder = _workdir() / f"{arch}-{'tied' if tied else 'untied'}-{seed}"
+    folder = _workdir() / f"{arch}-{'tied' if tied else 'untied'}-{seed}-{max_position_embeddings}"
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
@@ -115,7 +124,8 @@ def _perturb_norms_and_biases(model, seed: int) -> None:
 
 
 @functools.cache
-def tiny_hf_model(arch: str = "llama", tied: bool = False, seed: int = 0):
+def tiny_hf_model(arch: str = "llama", tied: bool = False, seed: int = 0,
+                  max_position_embeddings: int = MAX_POSITIONS):
     """transformers' model of tiny_model_dir(...), float32, eval, never stopping early.
 
     generation_config.eos_token_id = None (with a pad id) makes generate() behave like
@@ -123,7 +133,8 @@ def tiny_hf_model(arch: str = "llama", tied: bool = False, seed: int = 0):
     """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch, tied, seed), dtype=torch.float32)
+    folder = tiny_model_dir(arch, tied, seed, max_position_embeddings)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = tiny_tokenizer().pad_token_id
     return model.eval()
@@ -131,11 +142,12 @@ def tiny_hf_model(arch: str = "llama", tied: bool = False, seed: int = 0):
 
 @functools.cache
 def tiny_loaded_model(arch: str = "llama", tied: bool = False, dtype: torch.dtype = torch.float32,
-                      seed: int = 0):
+                      seed: int = 0, max_position_embeddings: int = MAX_POSITIONS):
     """pagedgen's LoadedModel of tiny_model_dir(...) on CPU. Shared: do not modify it."""
     from pagedgen.model.loader import load_model
 
-    return load_model(str(tiny_model_dir(arch, tied, seed)), dtype=dtype, device="cpu")
+    folder = tiny_model_dir(arch, tied, seed, max_position_embeddings)
+    return load_model(str(folder), dtype=dtype, device="cpu")
 
 
 def sequential_block_tables(lengths: list[int], block_size: int, first_block: int = 0) -> list[list[int]]:

@@ -186,6 +186,18 @@ class BlockPool:
         if not (isinstance(block, int) and 0 <= block < self.num_blocks):
             raise BlockStateError(f"block id must be an int in [0, {self.num_blocks}), got {block!r}")
 
+    def cached_free_blocks(self) -> list[int]:
+        """The cached free blocks, least recently freed (next evicted) first.
+
+        O(cached): they are exactly the last `num_cached_free` nodes of the queue (plain blocks
+        always sit in front of hashed ones), so the walk starts at the tail and stops there."""
+        blocks, node = [], self._prev[self._sentinel]
+        for _ in range(self._num_cached_free):
+            blocks.append(node)
+            node = self._prev[node]
+        blocks.reverse()
+        return blocks
+
     # --- verification (O(num_blocks); tests and debugging only) ---
     def free_queue(self) -> list[int]:
         """The queued free blocks in allocation order (fresh blocks not included)."""

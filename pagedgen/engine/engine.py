@@ -12,7 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from pagedgen.engine.detokenizer import IncrementalDetokenizer, final_text
+from pagedgen.checks import is_int, require_int
+from pagedgen.engine.detokenizer import final_text
 from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.engine.scheduler import Scheduler, SchedulerOutput, check_step_budget, rejection_reason
 from pagedgen.engine.sequence import Sequence, SequenceGroup, SeqStatus, make_generator
@@ -41,10 +42,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            require_int(name, getattr(self, name))
+        if not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError("enable_prefix_caching must be True or False, "
@@ -111,12 +110,7 @@ class LLMEngine:
         seq = Sequence(seq_id, group, 0, list(group.prompt_token_ids), prompt_len,
                        make_generator(group.params.seed, 0, self.device),
                        SeqMemInfo(seq_id, group.request_id, 0, 0, prompt_len, group.max_tokens))
-        if group.params.stop:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.token_ids,
-                                                     group.params.skip_special_tokens)
-            seq.text = ""
-        if group.params.logprobs is not None:
-            seq.logprobs, seq.cumulative_logprob = [], 0.0
+        seq.start_outputs(self.tokenizer)
         return seq
 
     def _take_seq_id(self) -> int:
@@ -163,8 +157,8 @@ class LLMEngine:
         rows, row_index = self._fork_where_due(sampled)
         if row_index is not None:
             logits = logits.index_select(0, torch.tensor(row_index, device=logits.device))
-        result = self.sampler(logits, build_batch(rows, logits.shape[-1], logits.device))
-        return self._append_tokens(rows, result)
+        batch = build_batch(rows, logits.shape[-1], logits.device)
+        return self._append_tokens(rows, self.sampler(logits, batch), batch.logprob_rows)
 
     def _fork_where_due(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
         """n > 1 groups whose prompt just finished fork now; every sample then draws its first
@@ -186,9 +180,10 @@ class LLMEngine:
         group.forked = True
         return [parent, *children]
 
-    def _append_tokens(self, rows: list[Sequence], result: SamplerOutput) -> list[Sequence]:
+    def _append_tokens(self, rows: list[Sequence], result: SamplerOutput,
+                       logprob_rows: list[int]) -> list[Sequence]:
         done = []
-        logprob_position = {row: j for j, row in enumerate(_logprob_rows(rows))}
+        logprob_position = {row: j for j, row in enumerate(logprob_rows)}  # result's row order
         now = time.monotonic()
         for i, seq in enumerate(rows):
             token = result.token_ids[i]
@@ -247,14 +242,7 @@ class LLMEngine:
         self.tracker.record(self.stats.steps, self.kv.snapshot(), [s.mem_info for s in running],
                             len(self.scheduler.waiting), stats.preemptions, stats.recomputed_tokens,
                             block_tables=self.kv.block_tables,
-                            cached_free_blocks=self._cached_free_blocks)
-
-    def _cached_free_blocks(self) -> list[int]:
-        return [b for b in self.kv.free_queue() if self.kv.is_cached(b)]
-
-
-def _logprob_rows(rows: list[Sequence]) -> list[int]:
-    return [i for i, seq in enumerate(rows) if seq.logprobs is not None]
+                            cached_free_blocks=self.kv.cached_free_blocks)
 
 
 def _record_logprobs(seq: Sequence, token: int, result: SamplerOutput, j: int) -> None:

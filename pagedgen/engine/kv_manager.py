@@ -32,6 +32,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedgen.checks import require_int
+
 from .block_hash import BlockHash, as_token_ids, iter_block_hashes
 from .block_pool import BlockPool
 from .kv_types import (
@@ -57,8 +59,8 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  hash_extra_key: object = None) -> None:
-        _require_positive_int(num_blocks, "num_blocks")
-        _require_positive_int(block_size, "block_size")
+        require_int("num_blocks", num_blocks)
+        require_int("block_size", block_size)
         try:
             hash(hash_extra_key)
         except TypeError:
@@ -81,7 +83,7 @@ class KVCacheManager:
     def can_admit(self, token_ids: Sequence[int], num_new_tokens: int) -> bool:
         """Would `admit(token_ids)` then `append_slots` of `num_new_tokens` tokens (right after
         the cached prefix) succeed now? A hit on a cached free block uses up a free block."""
-        _require_count(num_new_tokens, "num_new_tokens")
+        require_int("num_new_tokens", num_new_tokens, 0)
         hits = self._prefix_hits(token_ids)
         covered = len(hits) * self.block_size + num_new_tokens
         if self._blocks_spanned(max(len(token_ids), covered)) > self.num_blocks:
@@ -95,7 +97,7 @@ class KVCacheManager:
         return self._blocks_for_group(seq_ids, num_tokens) <= self._pool.num_free
 
     def blocks_to_append(self, seq_id: int, num_tokens: int) -> int:
-        _require_count(num_tokens, "num_tokens")
+        require_int("num_tokens", num_tokens, 0)
         seq = self._get(seq_id)
         if num_tokens == 0:
             return 0
@@ -218,6 +220,10 @@ class KVCacheManager:
     def free_queue(self) -> list[int]:
         """Queued free blocks in the order they would be handed out (O(n); for tests)."""
         return self._pool.free_queue()
+
+    def cached_free_blocks(self) -> list[int]:
+        """Free blocks still carrying a prefix hash, next evicted first; O(cached), not O(pool)."""
+        return self._pool.cached_free_blocks()
 
     def check_integrity(self) -> None:
         """Recount everything from the tables; raises AssertionError naming what is wrong."""
@@ -355,15 +361,5 @@ def _per_sequence_counts(seq_ids: Sequence[int], num_tokens: int | Sequence[int]
         if len(counts) != len(seq_ids):
             raise ValueError(f"num_tokens has {len(counts)} entries for {len(seq_ids)} seq_ids")
     for count in counts:
-        _require_count(count, "num_tokens")
+        require_int("num_tokens", count, 0)
     return counts
-
-
-def _require_positive_int(value: object, name: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _require_count(value: object, name: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.engine.sequence import Sequence, SeqStatus
+from pagedgen.model.batch import ScheduledChunk
 from pagedgen.sampling import SamplingParams
-from pagedgen.model.runner import ScheduledChunk
 
 
 @dataclass(slots=True)
@@ -107,7 +107,6 @@ class Scheduler:
             self._preempt(victims, state)
             if seq in victims:
                 return
-        self.kv.append_slots(seq.seq_id, seq.token_ids[seq.num_computed:seq.num_computed + num_tokens])
         self._emit(seq, num_tokens, state)
 
     def _admit_waiting(self, state: _StepState) -> None:
@@ -121,7 +120,6 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._admit(seq)
-            self.kv.append_slots(seq.seq_id, seq.token_ids[seq.num_computed:seq.num_computed + num_tokens])
             self._emit(seq, num_tokens, state)
 
     def _admit(self, seq: Sequence) -> None:
@@ -133,10 +131,13 @@ class Scheduler:
         self.stats.admissions += 1
 
     def _emit(self, seq: Sequence, num_tokens: int, state: _StepState) -> None:
+        """Reserves the slots of the next num_tokens tokens (checked to fit) and schedules them."""
         start = seq.num_computed
         end = start + num_tokens
+        token_ids = seq.token_ids[start:end]
+        self.kv.append_slots(seq.seq_id, token_ids)
         chunk = ScheduledChunk(
-            token_ids=seq.token_ids[start:end], start_pos=start,
+            token_ids=token_ids, start_pos=start,
             block_table=self.kv.block_table(seq.seq_id), sample=end == len(seq.token_ids))
         self._count(seq, start, end)
         seq.num_computed = end   # advanced now: the runner computes exactly these tokens

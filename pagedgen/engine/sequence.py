@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -124,13 +125,20 @@ class Sequence:
             SeqMemInfo(seq_id, group.request_id, sample_index, self.num_computed,
                        self.prompt_len, group.max_tokens),
             self.status, self.num_computed, self.high_water)
-        if self.detokenizer is not None:
-            child.detokenizer = IncrementalDetokenizer(
-                self.detokenizer.tokenizer, child.token_ids, self.detokenizer.skip_special_tokens)
-            child.text = ""
-        if self.logprobs is not None:
-            child.logprobs, child.cumulative_logprob = [], 0.0
+        # Forks happen before the first output token, so the child starts where the parent did.
+        child.start_outputs(self.detokenizer.tokenizer if self.detokenizer is not None else None)
         return child
+
+    def start_outputs(self, tokenizer: Any) -> None:
+        """The per-sample output state its params ask for: a detokenizer when stop strings must
+        be matched in the text, and logprob lists."""
+        params = self.group.params
+        if params.stop:
+            self.detokenizer = IncrementalDetokenizer(tokenizer, self.token_ids,
+                                                      params.skip_special_tokens)
+            self.text = ""
+        if params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
 
 
 def _device_of(generator: torch.Generator | None) -> torch.device:

@@ -14,6 +14,7 @@ from typing import Any
 from rich.console import Group, RenderableType
 from rich.table import Table
 
+from pagedgen.defaults import default_kv_memory
 from pagedgen.memory.block_map import build_pool_map, recorded_tables, token_address
 from pagedgen.memory.render import human_bytes
 from pagedgen.memory.render_map import address_table, block_tables_table, pool_map_renderable
@@ -29,14 +30,21 @@ def _device(name: str) -> str:
 
 
 def _budget(config: Any, device: str) -> tuple[int | None, str]:
-    """(kv_memory bytes or None when num_blocks sizes the pool, where it came from)."""
+    """(kv_memory bytes or None when num_blocks sizes the pool, where it came from).
+
+    Without a size, the same default as LLM (pagedgen/defaults.py): a fixed budget on CPU, the
+    runner's share of free memory on CUDA."""
     if config.num_blocks is not None:
         return None, f"num_blocks={config.num_blocks}"
     if config.kv_memory is not None:
         return config.kv_memory, f"kv_memory={human_bytes(config.kv_memory)}"
+    device_type = device.split(":")[0]
+    default = default_kv_memory(device_type)
+    if default is not None:
+        return default, f"default on {device_type}"
     from pagedgen.model.kv_cache import DEFAULT_KV_MEMORY_FRACTION, available_memory_bytes
 
-    fraction = DEFAULT_KV_MEMORY_FRACTION.get(device.split(":")[0], DEFAULT_KV_MEMORY_FRACTION["cpu"])
+    fraction = DEFAULT_KV_MEMORY_FRACTION[device_type]
     free = available_memory_bytes(device)
     return int(free * fraction), f"{fraction:.0%} of {human_bytes(free)} free on {device} (run's default)"
 

@@ -154,8 +154,4 @@ class Simulation:
         self.tracker.record(step, self.manager.snapshot(), running, len(self.state.waiting),
                             self.state.preemptions, self.state.recomputed_tokens,
                             self.manager.block_tables, self.manager.ref_count,
-                            self._cached_free_blocks)
-
-    def _cached_free_blocks(self) -> list[int]:
-        # O(pool) walk, fine for a simulation; called only at a peak or a snapshot step.
-        return [b for b in self.manager.free_queue() if self.manager.is_cached(b)]
+                            cached_free_blocks=self.manager.cached_free_blocks)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedgen.memory.gguf_header import read_gguf_metadata
+from pagedgen.checks import require_int
 from pagedgen.model.kv_cache import blocks_for_budget, dtype_bytes, kv_bytes_per_token
 
 
@@ -49,34 +49,29 @@ class SequenceFit:
     static_slack_tokens: int   # per sequence: max_model_len - L
 
 
-def _positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 def pool_sizing(shape: KVShape, block_size: int, max_model_len: int,
                 kv_memory_bytes: int | None = None, num_blocks: int | None = None) -> PoolSizing:
     """Exactly one of kv_memory_bytes / num_blocks sizes the pool."""
     if (kv_memory_bytes is None) == (num_blocks is None):
         raise ValueError("give exactly one of kv_memory (bytes) or num_blocks")
     for name in ("num_layers", "num_kv_heads", "head_dim"):
-        _positive(name, getattr(shape, name))
-    _positive("block_size", block_size)
-    _positive("max_model_len", max_model_len)
+        require_int(name, getattr(shape, name))
+    require_int("block_size", block_size)
+    require_int("max_model_len", max_model_len)
     per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype)
     per_block = per_token * block_size
     if num_blocks is None:
-        _positive("kv_memory", kv_memory_bytes)
+        require_int("kv_memory", kv_memory_bytes)
         num_blocks = blocks_for_budget(kv_memory_bytes, block_size, per_token)
     else:
-        _positive("num_blocks", num_blocks)
+        require_int("num_blocks", num_blocks)
     budget = kv_memory_bytes if kv_memory_bytes is not None else num_blocks * per_block
     return PoolSizing(shape, dtype_bytes(shape.dtype), per_token, block_size, per_block, num_blocks,
                       budget, num_blocks * per_block, num_blocks * block_size, max_model_len)
 
 
 def sequence_fit(sizing: PoolSizing, seq_len: int) -> SequenceFit:
-    _positive("seq_len", seq_len)
+    require_int("seq_len", seq_len)
     if seq_len > sizing.max_model_len:
         raise ValueError(f"seq_len {seq_len} is longer than max_model_len {sizing.max_model_len}")
     blocks = -(-seq_len // sizing.block_size)
@@ -102,35 +97,14 @@ class ModelShape:
 
 
 def read_model_shape(model: str | Path | None) -> ModelShape:
-    """model: None (the built-in default), an HF folder, a .gguf file or a folder with one."""
-    if model is None:
-        from pagedgen.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+    """model: None (the built-in default), an HF folder, a .gguf file or a folder with one.
 
-        return gguf_shape(read_gguf_metadata(default_model_path()), DEFAULT_MODEL_NAME)
-    path = Path(model).expanduser()
-    if (path / "config.json").is_file():
-        from pagedgen.model.safetensors_loader import read_hf_config
+    Goes through the loader's own resolution and config parsing (model/source.py), so the
+    shape and the usable length (sliding-window cap included) are the ones a run would use.
+    """
+    from pagedgen.model.source import locate_model, read_model_config
 
-        cfg, _raw = read_hf_config(path)
-        return ModelShape(path.name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                          cfg.max_position_embeddings)
-    ggufs = [path] if path.suffix == ".gguf" and path.is_file() else sorted(path.glob("*.gguf")) if path.is_dir() else []
-    if len(ggufs) != 1:
-        raise ValueError(f"model {str(model)!r} is neither a folder with config.json nor a folder "
-                         "with exactly one .gguf file nor a .gguf file")
-    return gguf_shape(read_gguf_metadata(ggufs[0]), ggufs[0].name)
-
-
-def gguf_shape(metadata: dict[str, Any], name: str) -> ModelShape:
-    arch = metadata.get("general.architecture")
-
-    def get(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ValueError(f"GGUF {name}: metadata field {arch}.{key} is missing")
-        return value
-
-    heads = get("attention.head_count")
-    head_dim = metadata.get(f"{arch}.attention.key_length") or get("embedding_length") // heads
-    return ModelShape(name, get("block_count"), get("attention.head_count_kv", heads), head_dim,
-                      get("context_length", 2048))
+    source = locate_model(model)
+    config = read_model_config(source)
+    return ModelShape(source.name, config.num_layers, config.num_kv_heads, config.head_dim,
+                      config.max_position_embeddings)

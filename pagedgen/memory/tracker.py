@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedgen.checks import require_int
 from pagedgen.memory.counterfactual import CounterfactualReplay
 from pagedgen.memory.sampled_series import SampledSeries
 from pagedgen.memory.seq_info import SeqMemInfo
@@ -67,16 +68,10 @@ class UtilizationMean:
         return self.total / self.steps if self.steps else 0.0
 
 
-def _positive(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"MemoryTracker: {name} must be a positive int, got {value!r}")
-    return value
-
-
 def _cached_ids(count: int, cached_free_blocks: Callable[[], list[int]] | None) -> list[int] | None:
     if cached_free_blocks is None:
         return None
-    # Listing them may walk the whole free queue; under pressure (at a peak) there often are none.
+    # Under pressure (at a peak) there often are none: skip even the O(cached) walk.
     return sorted(cached_free_blocks()) if count else []
 
 
@@ -117,7 +112,7 @@ class MemoryTracker:
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "bytes_per_token", "max_model_len",
                      "max_timeline_points", "max_table_snapshots"):
-            _positive(name, getattr(self, name))
+            require_int(f"MemoryTracker.{name}", getattr(self, name))
         self._check_layout()
         self.timeline = SampledSeries(self.max_timeline_points)
         self.table_snapshots = SampledSeries(self.max_table_snapshots)
@@ -128,7 +123,7 @@ class MemoryTracker:
         if shape == (None, None, None):
             return
         for name in ("num_layers", "num_kv_heads", "head_dim"):
-            _positive(name, getattr(self, name))
+            require_int(f"MemoryTracker.{name}", getattr(self, name))
         elements = 2 * self.num_layers * self.num_kv_heads * self.head_dim
         if self.bytes_per_token % elements:
             raise ValueError(f"MemoryTracker: bytes_per_token={self.bytes_per_token} is not a multiple "

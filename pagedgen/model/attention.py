@@ -12,11 +12,11 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedgen.model.config import ModelConfig
 from pagedgen.model.layers import empty_parameter, rms_norm
+from pagedgen.model.linear import linear, pack_weight
 from pagedgen.model.rope import apply_rope
 
 
@@ -60,11 +60,15 @@ class PagedSelfAttention(nn.Module):
         # Qwen3's q_norm and k_norm weights, one row per head, so q and k are normed in one op.
         self.qk_norm_weight = (empty_parameter(self.num_heads + self.num_kv_heads, self.head_dim)
                                if config.qk_norm else None)
+        self.qkv_packed = self.o_packed = None  # set by pack_weights()
+
+    def pack_weights(self) -> None:
+        self.qkv_packed, self.o_packed = pack_weight(self.qkv_weight), pack_weight(self.o_weight)
 
     def forward(self, hidden: torch.Tensor, step: StepMetadata, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
         tokens = hidden.shape[0]
-        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)
+        qkv = linear(hidden, self.qkv_weight, self.qkv_bias, self.qkv_packed)
         # q and k are adjacent columns of qkv: normalise and rotate them together.
         qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads,
                                                       self.head_dim)
@@ -75,7 +79,8 @@ class PagedSelfAttention(nn.Module):
         value = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         step.ops.store_kv(key, value, k_cache, v_cache, step.slot_mapping)
         attended = self._paged_attention(query, step, k_cache, v_cache)
-        return F.linear(attended.reshape(tokens, self.q_size), self.o_weight, self.o_bias)
+        return linear(attended.reshape(tokens, self.q_size), self.o_weight, self.o_bias,
+                      self.o_packed)
 
     def _paged_attention(self, query, step: StepMetadata, k_cache, v_cache) -> torch.Tensor:
         args = (query, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start_loc,

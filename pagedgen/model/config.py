@@ -28,6 +28,17 @@ MODEL_TYPE_TO_ARCHITECTURE = {
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
+def usable_context(max_positions: int, sliding_window: int | None) -> int:
+    """Longest context the model is run at: its positions, capped by a sliding window if any.
+
+    The paged kernels implement full causal attention. A sliding-window model (Mistral v0.1,
+    Qwen with use_sliding_window) computes exactly the same thing while the context fits in
+    the window, so the window caps the usable length instead of giving wrong answers beyond it.
+    """
+    limit = int(max_positions)
+    return min(limit, int(sliding_window)) if sliding_window else limit
+
+
 class UnsupportedModelError(ValueError):
     """The checkpoint describes a model this runtime cannot run; the message says why."""
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from pagedgen.model.config import ModelConfig, UnsupportedModelError
+from pagedgen.model.config import ModelConfig, UnsupportedModelError, usable_context
 from pagedgen.model.gguf_file import GgufFile, GgufTensor, read_gguf
 
 GGUF_ARCHITECTURES = {
@@ -93,7 +93,8 @@ def gguf_model_config(reader: GgufFile) -> ModelConfig:
         rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(reader, arch),
-        max_position_embeddings=required("context_length"),
+        max_position_embeddings=usable_context(required("context_length"),
+                                               field(reader, f"{arch}.attention.sliding_window")),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,

@@ -8,6 +8,7 @@ from pagedgen.model.config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
     UnsupportedModelError,
+    usable_context,
 )
 
 DEFAULT_ROPE_THETA = 10000.0
@@ -92,15 +93,7 @@ def _attention_bias(architecture: str, raw: dict[str, Any]) -> bool:
 
 
 def _max_positions(raw: dict[str, Any]) -> int:
-    """Longest context the model is run at.
-
-    The paged kernels implement full causal attention. A sliding-window model (Mistral v0.1,
-    Qwen with use_sliding_window) computes exactly the same thing while the context fits in
-    the window, so the window caps the usable length instead of giving wrong answers beyond it.
-    """
-    limit = int(raw.get("max_position_embeddings", 2048))
-    window = raw.get("sliding_window")
+    # Mistral's config has no use_sliding_window flag: its window is always on.
     uses_window = raw.get("use_sliding_window", raw.get("model_type") == "mistral")
-    if window and uses_window:
-        limit = min(limit, int(window))
-    return limit
+    window = raw.get("sliding_window") if uses_window else None
+    return usable_context(raw.get("max_position_embeddings", 2048), window)

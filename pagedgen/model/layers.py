@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedgen.model.linear import linear, pack_weight
+
 
 def empty_parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -44,8 +46,14 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_weight = empty_parameter(2 * intermediate_size, hidden_size)
         self.down_weight = empty_parameter(hidden_size, intermediate_size)
+        self.gate_up_packed = self.down_packed = None  # set by pack_weights()
+
+    def pack_weights(self) -> None:
+        self.gate_up_packed = pack_weight(self.gate_up_weight)
+        self.down_packed = pack_weight(self.down_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_weight)
+        gate_up = linear(x, self.gate_up_weight, packed=self.gate_up_packed)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate).mul_(up), self.down_weight)  # in place: one temporary less
+        # in place: one temporary less
+        return linear(F.silu(gate).mul_(up), self.down_weight, packed=self.down_packed)

@@ -12,6 +12,7 @@ from torch import nn
 from pagedgen.model.attention import PagedSelfAttention, StepMetadata
 from pagedgen.model.config import ModelConfig
 from pagedgen.model.layers import GatedMLP, RMSNorm, empty_parameter
+from pagedgen.model.linear import linear, pack_weight
 from pagedgen.model.rope import rope_table
 
 
@@ -42,6 +43,14 @@ class LlamaDecoder(nn.Module):
                                else empty_parameter(config.vocab_size, config.hidden_size))
         # cos/sin of every position; filled by reset_rope_table() once the device is known.
         self.register_buffer("rope", torch.empty(0), persistent=False)
+        self.lm_head_packed = None
+
+    def pack_weights(self) -> None:
+        """Prepack the projection weights for the device's GEMM library (CPU bf16 only)."""
+        for layer in self.layers:
+            layer.attention.pack_weights()
+            layer.mlp.pack_weights()
+        self.lm_head_packed = pack_weight(self.lm_head_weight)
 
     def reset_rope_table(self) -> None:
         """(Re)compute the RoPE table on the weights' device and dtype."""
@@ -68,4 +77,4 @@ class LlamaDecoder(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of the given rows only (the norm is per row, so select first)."""
-        return F.linear(self.norm(hidden), self.lm_head_weight)
+        return linear(self.norm(hidden), self.lm_head_weight, packed=self.lm_head_packed)

@@ -11,9 +11,9 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedgen.model import gguf_loader, safetensors_loader, tokenizer as tokenizers
 from pagedgen.model.config import ModelConfig
-from pagedgen.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from pagedgen.model.dtypes import resolve_dtype
 from pagedgen.model.llama import LlamaDecoder
+from pagedgen.model.source import locate_model
 from pagedgen.model.weights import load_weights
 
 
@@ -37,28 +37,10 @@ def load_model(model: str | Path | None, dtype: str | torch.dtype | None = None,
     """
     device = torch.device(device)
     run_dtype = resolve_dtype(dtype, device)
-    if model is None:
-        return _load_gguf(default_model_path(), run_dtype, device, DEFAULT_MODEL_NAME)
-    path = Path(model).expanduser()
-    if safetensors_loader.is_hf_folder(path):
-        return _load_hf_folder(path, run_dtype, device)
-    gguf_file = _single_gguf(path)
-    if gguf_file is not None:
-        return _load_gguf(gguf_file, run_dtype, device, gguf_file.name)
-    raise ValueError(f"model {str(model)!r} is neither a folder with config.json nor a .gguf file "
-                     "(hub ids are not fetched: pagedgen runs offline; download the folder first)")
-
-
-def _single_gguf(path: Path) -> Path | None:
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if path.is_dir():
-        found = sorted(path.glob("*.gguf"))
-        if len(found) > 1:
-            raise ValueError(f"model folder {path} holds several .gguf files; pass one of them: "
-                             f"{[p.name for p in found]}")
-        return found[0] if found else None
-    return None
+    source = locate_model(model)
+    if source.kind == "hf":
+        return _load_hf_folder(source.path, run_dtype, device)
+    return _load_gguf(source.path, run_dtype, device, source.name)
 
 
 def _load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:

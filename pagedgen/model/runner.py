@@ -30,6 +30,7 @@ class ModelRunner:
             bytes_per_token=self.config.kv_bytes_per_token(self.dtype), block_size=block_size,
             device=self.device, num_blocks=num_blocks, kv_memory_bytes=kv_memory_bytes,
             kv_memory_fraction=kv_memory_fraction)
+        self.model.pack_weights()
         self.kv_cache = allocate_kv_cache(self.config.num_layers, self.num_blocks, block_size,
                                           self.config.num_kv_heads, self.config.head_dim,
                                           self.dtype, self.device)

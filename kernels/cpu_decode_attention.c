@@ -1,0 +1,187 @@
+/* Paged decode attention for the CPU: one query token per sequence, K/V read in place
+ * through the block table (no gather into a contiguous copy), float32 accumulation.
+ *
+ * Built on first use by pagedgen/kernels/native.py with the system C compiler
+ * (-O3 -march=native) and called through ctypes, which releases the GIL. Why C and not
+ * torch: the torch path gathers every sequence's blocks into a padded copy and then runs
+ * SDPA over it, reading and writing the KV bytes about three times; decode attention is
+ * memory-bound, so reading each K and V byte once is what makes it fast.
+ *
+ * Layout (docs/contracts.md section 1): one layer's K (or V) cache is [N, B, H_kv, D],
+ * contiguous; the query is [S, H_q, D]; block tables are int64 [S, max_blocks].
+ * Work is split over sequences across threads; each K/V row is loaded once for all the
+ * H_q / H_kv query heads that share its kv head (GQA).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GROUP 16  /* query heads per kv head */
+#define MAX_HEADS 128 /* query heads */
+#define MAX_DIM 256   /* head dim */
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    const int64_t *block_tables, *seq_lens;
+    void *out;
+    int64_t max_blocks;
+    int num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, is_bf16;
+    float scale;
+    float (*scratch_q)[MAX_DIM];         /* per thread: [num_q_heads][MAX_DIM] */
+    float (*scratch_acc)[MAX_DIM];
+} Job;
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE void load_row(const void *base, int64_t index, int dim, int is_bf16, float *dst) {
+    if (is_bf16) {
+        const uint16_t *src = (const uint16_t *)base + index * dim;
+        uint32_t bits[MAX_DIM];
+        for (int d = 0; d < dim; d++) bits[d] = (uint32_t)src[d] << 16;
+        memcpy(dst, bits, sizeof(float) * dim);
+    } else {
+        memcpy(dst, (const float *)base + index * dim, sizeof(float) * dim);
+    }
+}
+
+/* One sequence, all heads: scores of every query head against every key, softmax, sum of V.
+ * A token's K (and V) rows of all kv heads are adjacent in memory, so walking tokens in order
+ * and all heads per token streams each block's bytes sequentially (what the prefetchers
+ * like): decode attention is bound by reading the cache from DRAM.
+ * always_inline + constant dim/group/dtype at the call sites (dispatch below) lets the
+ * compiler unroll and vectorize the inner loops for the common head sizes. */
+ALWAYS_INLINE void attend_one(const Job *job, int seq, float *scores, int dim, int group,
+                              int is_bf16) {
+    const int bs = job->block_size, hkv = job->num_kv_heads, hq = job->num_q_heads;
+    const int64_t len = job->seq_lens[seq];
+    const int64_t *table = job->block_tables + (int64_t)seq * job->max_blocks;
+    float (*q)[MAX_DIM] = job->scratch_q, (*acc)[MAX_DIM] = job->scratch_acc;
+    float row[MAX_DIM], max_score[MAX_HEADS], denom[MAX_HEADS];
+    for (int h = 0; h < hq; h++) {
+        load_row(job->q, (int64_t)seq * hq + h, dim, is_bf16, q[h]);
+        for (int d = 0; d < dim; d++) q[h][d] *= job->scale;
+        memset(acc[h], 0, sizeof(float) * dim);
+        max_score[h] = -FLT_MAX;
+    }
+    for (int64_t start = 0; start < len; start += bs) { /* pass 1: K read once, in order */
+        int64_t base = table[start / bs] * bs * hkv;
+        int64_t count = len - start < bs ? len - start : bs;
+        for (int64_t o = 0; o < count; o++) {
+            for (int kv = 0; kv < hkv; kv++) {
+                load_row(job->k_cache, base + o * hkv + kv, dim, is_bf16, row);
+                for (int g = 0; g < group; g++) {
+                    int h = kv * group + g;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int d = 0; d < dim; d++) dot += q[h][d] * row[d];
+                    scores[h * len + start + o] = dot;
+                    max_score[h] = dot > max_score[h] ? dot : max_score[h];
+                }
+            }
+        }
+    }
+    for (int h = 0; h < hq; h++) {
+        float sum = 0.0f, *row_scores = scores + h * len, top = max_score[h];
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            row_scores[t] = expf(row_scores[t] - top);
+            sum += row_scores[t];
+        }
+        denom[h] = sum;
+    }
+    for (int64_t start = 0; start < len; start += bs) { /* pass 2: V read once, in order */
+        int64_t base = table[start / bs] * bs * hkv;
+        int64_t count = len - start < bs ? len - start : bs;
+        for (int64_t o = 0; o < count; o++) {
+            for (int kv = 0; kv < hkv; kv++) {
+                load_row(job->v_cache, base + o * hkv + kv, dim, is_bf16, row);
+                for (int g = 0; g < group; g++) {
+                    int h = kv * group + g;
+                    float p = scores[h * len + start + o];
+#pragma omp simd
+                    for (int d = 0; d < dim; d++) acc[h][d] += p * row[d];
+                }
+            }
+        }
+    }
+    for (int h = 0; h < hq; h++) {
+        int64_t out_row = ((int64_t)seq * hq + h) * dim;
+        float inv = 1.0f / denom[h];
+        for (int d = 0; d < dim; d++) {
+            float value = acc[h][d] * inv;
+            if (is_bf16)
+                ((uint16_t *)job->out)[out_row + d] = f32_to_bf16(value);
+            else
+                ((float *)job->out)[out_row + d] = value;
+        }
+    }
+}
+
+#define SPECIALISE(DIM, GROUP)                                                               \
+    static void attend_##DIM##_##GROUP(const Job *job, int seq, float *scores) {             \
+        if (job->is_bf16) attend_one(job, seq, scores, DIM, GROUP, 1);                       \
+        else attend_one(job, seq, scores, DIM, GROUP, 0);                                    \
+    }
+SPECIALISE(64, 1) SPECIALISE(64, 2) SPECIALISE(64, 3) SPECIALISE(64, 4) SPECIALISE(64, 8)
+SPECIALISE(128, 1) SPECIALISE(128, 2) SPECIALISE(128, 4) SPECIALISE(128, 8)
+
+static void attend_generic(const Job *job, int seq, float *scores) {
+    int group = job->num_q_heads / job->num_kv_heads;
+    if (job->is_bf16) attend_one(job, seq, scores, job->head_dim, group, 1);
+    else attend_one(job, seq, scores, job->head_dim, group, 0);
+}
+
+typedef void (*AttendFn)(const Job *, int, float *);
+
+static AttendFn pick_attend(int dim, int group) {
+#define CASE(DIM, GROUP) if (dim == DIM && group == GROUP) return attend_##DIM##_##GROUP;
+    CASE(64, 1) CASE(64, 2) CASE(64, 3) CASE(64, 4) CASE(64, 8)
+    CASE(128, 1) CASE(128, 2) CASE(128, 4) CASE(128, 8)
+#undef CASE
+    return attend_generic;
+}
+
+/* Returns 0 on success, 1 on unsupported shapes or allocation failure (caller falls back).
+ * Threads: OpenMP. torch loads its libgomp.so.1 before this library, so the dynamic loader
+ * binds us to that same runtime and we share torch's thread pool. (A second pool, or
+ * pthreads of our own, fought torch's spinning workers for the 2 cores: 15x slower.) */
+int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
+                           const int64_t *block_tables, int64_t max_blocks,
+                           const int64_t *seq_lens, void *out, int num_seqs, int num_q_heads,
+                           int num_kv_heads, int head_dim, int block_size, float scale,
+                           int is_bf16, int num_threads) {
+    if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 1;
+    if (num_q_heads / num_kv_heads > MAX_GROUP || num_q_heads > MAX_HEADS) return 1;
+    if (head_dim > MAX_DIM) return 1;
+    int64_t longest = 1;
+    for (int s = 0; s < num_seqs; s++)
+        if (seq_lens[s] > longest) longest = seq_lens[s];
+    AttendFn attend = pick_attend(head_dim, num_q_heads / num_kv_heads);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads) reduction(| : failed)
+    {
+        Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, max_blocks, num_seqs,
+                   num_q_heads, num_kv_heads, head_dim, block_size, is_bf16, scale,
+                   malloc(sizeof(float) * MAX_DIM * (size_t)num_q_heads),
+                   malloc(sizeof(float) * MAX_DIM * (size_t)num_q_heads)};
+        float *scores = malloc(sizeof(float) * (size_t)num_q_heads * (size_t)longest);
+        int ok = scores && job.scratch_q && job.scratch_acc;
+#pragma omp for schedule(dynamic, 1)
+        for (int seq = 0; seq < num_seqs; seq++)
+            if (ok) attend(&job, seq, scores);
+        failed |= !ok;
+        free(scores);
+        free(job.scratch_q);
+        free(job.scratch_acc);
+    }
+    return failed;
+}

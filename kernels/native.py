@@ -1,0 +1,116 @@
+"""Build-on-first-use loader for the C decode-attention kernel (cpu_decode_attention.c).
+
+The shared library is compiled once per machine with the system C compiler and cached under
+$PAGEDGEN_CACHE_DIR (default ~/.cache/pagedgen) keyed by a hash of the source, the flags and
+the CPU, so a second process loads it in milliseconds. Anything that goes wrong (no compiler,
+unsupported shape) makes the caller fall back to the pure-torch path: the native kernel is a
+speed-up, never a requirement. PAGEDGEN_NATIVE_KERNELS=0 turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+    [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGEDGEN_NATIVE_KERNELS", "1") != "0"
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+        model = next((line for line in text.splitlines() if line.startswith("model name")), "")
+        return model + flags
+    except OSError:
+        return platform.processor()
+
+
+def _library_path(compiler: str) -> Path:
+    key = hashlib.sha256(b"\0".join(
+        [SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_id().encode()]
+    )).hexdigest()[:16]
+    cache = Path(os.environ.get("PAGEDGEN_CACHE_DIR", Path.home() / ".cache" / "pagedgen"))
+    return cache / "kernels" / f"cpu_decode_attention-{key}.so"
+
+
+def _compile(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile to a temporary name, then rename: concurrent processes never load a half file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@lru_cache(maxsize=1)
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (with one warning) when it cannot be had."""
+    if not enabled():
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    try:
+        path = _library_path(compiler)
+        if not path.exists():
+            _compile(compiler, path)
+        library = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        warnings.warn(f"pagedgen: native CPU attention unavailable, using torch ({detail})")
+        return None
+    library.paged_decode_attention.argtypes = _ARGTYPES
+    library.paged_decode_attention.restype = ctypes.c_int
+    return library
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     out: torch.Tensor) -> bool:
+    """Attention of one query token per sequence, K/V read in place through the tables.
+
+    query/out: contiguous [S, H_q, D]; k_cache/v_cache: contiguous [N, B, H_kv, D]; tables
+    int64 [S, max_blocks]; seq_lens int64 [S]. float32 or bfloat16. Returns False (and leaves
+    `out` untouched) when the native kernel is unavailable or the case is unsupported.
+    """
+    library = load()
+    if library is None or not _supported(query, k_cache, v_cache, block_tables, seq_lens, out):
+        return False
+    num_seqs, num_q_heads, head_dim = query.shape
+    status = library.paged_decode_attention(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads,
+        k_cache.shape[2], head_dim, k_cache.shape[1], scale,
+        int(query.dtype == torch.bfloat16), torch.get_num_threads())
+    return status == 0
+
+
+def _supported(query, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
+    tensors = (query, k_cache, v_cache, block_tables, seq_lens, out)
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return False
+    if query.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    same_dtype = k_cache.dtype == v_cache.dtype == out.dtype == query.dtype
+    return same_dtype and block_tables.dtype == seq_lens.dtype == torch.int64

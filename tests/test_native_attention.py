@@ -1,0 +1,61 @@
+"""The C decode-attention kernel (kernels/cpu_decode_attention.c) against the reference."""
+import pytest
+import torch
+
+from pagedgen.kernels import native, reference, torch_ops
+
+
+def _decode_case(num_seqs, q_heads, kv_heads, head_dim, block_size, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 5 * block_size, (num_seqs,), generator=gen)
+    blocks_per_seq = int((lens.max() + block_size - 1) // block_size)
+    num_blocks = num_seqs * blocks_per_seq + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    # Blocks out of order, as the pool hands them out after a while.
+    tables = torch.randperm(num_blocks, generator=gen)[:num_seqs * blocks_per_seq]
+    query = torch.randn(num_seqs, q_heads, head_dim, generator=gen).to(dtype)
+    return query, k_cache, v_cache, tables.view(num_seqs, blocks_per_seq), lens
+
+
+needs_native = pytest.mark.skipif(native.load() is None, reason="no C compiler here")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 32), (6, 2, 24, 16), (12, 3, 16, 8)])
+def test_native_decode_matches_reference(dtype, tol, q_heads, kv_heads, head_dim, block_size):
+    query, k_cache, v_cache, tables, lens = _decode_case(6, q_heads, kv_heads, head_dim,
+                                                         block_size, dtype)
+    out = torch.full_like(query, float("nan"))
+    scale = head_dim ** -0.5
+    assert native.decode_attention(query, k_cache, v_cache, tables.contiguous(), lens, scale, out)
+    expected = reference.paged_attention(query, k_cache, v_cache, tables.int(), lens.int(),
+                                         torch.arange(len(lens) + 1, dtype=torch.int32), scale)
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@needs_native
+def test_native_kernel_declines_unsupported_input():
+    query, k_cache, v_cache, tables, lens = _decode_case(2, 4, 2, 32, 8, torch.float16)
+    out = torch.empty_like(query)
+    assert not native.decode_attention(query, k_cache, v_cache, tables, lens, 0.1, out)
+    query, k_cache, v_cache, tables, lens = _decode_case(2, 4, 2, 32, 8, torch.float32)
+    assert not native.decode_attention(query, k_cache, v_cache, tables.int(), lens, 0.1, out)
+
+
+def test_torch_path_used_when_native_is_switched_off(monkeypatch):
+    monkeypatch.setenv("PAGEDGEN_NATIVE_KERNELS", "0")
+    native.load.cache_clear()
+    try:
+        assert native.load() is None
+        query, k_cache, v_cache, tables, lens = _decode_case(5, 6, 2, 32, 16, torch.float32)
+        starts = torch.arange(len(lens) + 1, dtype=torch.int32)
+        got = torch_ops.paged_attention(query, k_cache, v_cache, tables.int(), lens.int(),
+                                        starts, 0.2)
+        expected = reference.paged_attention(query, k_cache, v_cache, tables.int(), lens.int(),
+                                             starts, 0.2)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        native.load.cache_clear()
