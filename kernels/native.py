@@ -63,6 +63,16 @@ def _compile(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def first_error_line(error: Exception) -> str:
+    """One line that says why: a compiler's whole output would bury the run's own messages."""
+    lines = [line.strip() for line in (getattr(error, "stderr", None) or "").splitlines()]
+    lines = [line for line in lines if line]
+    flagged = [line for line in lines if "error:" in line.lower()]   # gcc, clang, ld
+    if flagged or lines:
+        return (flagged or lines)[0]
+    return (str(error).splitlines() or [type(error).__name__])[0]
+
+
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (with one warning) when it cannot be had."""
@@ -77,8 +87,8 @@ def load() -> ctypes.CDLL | None:
             _compile(compiler, path)
         library = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        warnings.warn(f"pagedgen: native CPU attention unavailable, using torch ({detail})")
+        warnings.warn(f"pagedgen: native CPU attention unavailable, using torch "
+                      f"({first_error_line(error)}); set PAGEDGEN_NATIVE_KERNELS=0 to silence")
         return None
     library.paged_decode_attention.argtypes = _ARGTYPES
     library.paged_decode_attention.restype = ctypes.c_int

@@ -71,13 +71,16 @@ def _print_outcome(console: Console, summary: Any, paths: Any, command: str) -> 
     console.print(f"[bold {style}]{summary.done} of {summary.total} requests answered[/]"
                   + (f" ({summary.already_done} from an earlier run)" if summary.already_done else "")
                   + (f", [red]{summary.failed} failed[/]" if summary.failed else ""))
-    console.print(f"  completions: {paths.output}")
-    if summary.failed:
-        console.print(f"  errors:      {paths.errors}")
-    if paths.ordered is not None:
-        console.print(f"  in order:    {paths.ordered}")
-    for report_file in summary.report_files:
-        console.print(f"  report:      {report_file}")
+    for label, path in _written_files(summary, paths):
+        console.print(f"  {label + ':':<12} {path}")
+
+
+def _written_files(summary: Any, paths: Any) -> list[tuple[str, Path]]:
+    """The files to point at, checked on disk: a run whose every line failed before generation
+    never creates the completions file, and naming it would send the user looking for nothing."""
+    candidates = [("completions", paths.output), ("errors", paths.errors if summary.failed else None),
+                  ("in order", paths.ordered), *(("report", f) for f in summary.report_files)]
+    return [(label, path) for label, path in candidates if path is not None and path.exists()]
 
 
 def _command_line(prompts: Path, config: Optional[Path], output: Optional[Path]) -> str:

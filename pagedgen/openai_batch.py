@@ -13,6 +13,7 @@ This module only translates; requests.py validates the translated values.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -45,6 +46,11 @@ class BatchLine:
     sampling: dict[str, Any] = field(default_factory=dict)
 
 
+def _json(value: Any) -> str:
+    """A value as the user wrote it in the batch file (true, null, "text"), not Python's repr."""
+    return json.dumps(value, ensure_ascii=False)
+
+
 def is_batch_line(obj: dict[str, Any]) -> bool:
     return "custom_id" in obj or ("url" in obj and "body" in obj)
 
@@ -56,9 +62,10 @@ def _check_envelope(obj: dict[str, Any]) -> None:
     if not isinstance(obj.get("custom_id"), str) or not obj["custom_id"]:
         raise ValueError("'custom_id' must be a non-empty string")
     if obj.get("method", "POST") != "POST":
-        raise ValueError(f"'method' must be 'POST', got {obj.get('method')!r}")
+        raise ValueError(f"'method' must be \"POST\", got {_json(obj.get('method'))}")
     if obj.get("url") not in (CHAT_URL, COMPLETIONS_URL):
-        raise ValueError(f"'url' must be {CHAT_URL!r} or {COMPLETIONS_URL!r}, got {obj.get('url')!r}")
+        raise ValueError(f"'url' must be {_json(CHAT_URL)} or {_json(COMPLETIONS_URL)}, "
+                         f"got {_json(obj.get('url'))}")
     if not isinstance(obj.get("body"), dict):
         raise ValueError("'body' must be an object")
 
@@ -81,7 +88,7 @@ def _logprobs(url: str, body: dict[str, Any]) -> int | None:
     if top is not None and body.get("logprobs") is not True:
         raise ValueError("body.top_logprobs needs body.logprobs = true")
     if body.get("logprobs") not in (None, True, False):
-        raise ValueError(f"body.logprobs must be true or false, got {body.get('logprobs')!r}")
+        raise ValueError(f"body.logprobs must be true or false, got {_json(body.get('logprobs'))}")
     return (top or 0) if body.get("logprobs") else None
 
 
@@ -102,7 +109,7 @@ def _check_body_keys(url: str, body: dict[str, Any]) -> None:
     for key, value in body.items():
         if key in _NO_OP:
             if value not in _NO_OP[key]:
-                raise ValueError(f"body.{key} = {value!r} is not supported offline")
+                raise ValueError(f"body.{key} = {_json(value)} is not supported offline")
         elif key not in known:
             raise ValueError(f"body.{key} is not supported")
 

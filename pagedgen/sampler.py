@@ -5,8 +5,11 @@ Order of operations (vLLM's): penalties and min_tokens bans on the logits, then 
 min-p, top-k, top-p, and a draw. Greedy rows take the argmax and skip everything random.
 
 The draw is an inverse-CDF lookup with ONE uniform number per row and step. That number comes
-from the row's own generator when the request is seeded, so a seeded request gets the same
-tokens whatever else is in the batch, and sample i of an n > 1 request has its own stream.
+from the row's own generator when the request is seeded, so a seeded request consumes the same
+random stream whatever else is in the batch, and sample i of an n > 1 request has its own
+stream. Same tokens follow exactly only in float32: in bfloat16 the model's logits depend in
+their last bits on the batch composition (GEMM blocking changes with the row count), so the
+same uniform number can land on a different token and the continuations can diverge.
 
 Speed: sorting a [256, 49152] logits tensor costs ~20 lm_head matmuls on this CPU, so each
 random row is first settled among its top CANDIDATES tokens (one topk): exact whenever the
@@ -338,5 +341,28 @@ class Sampler:
         chosen = logprobs.gather(1, tokens.index_select(0, rows)[:, None])
         output.logprobs = chosen.squeeze(1).tolist()
         output.ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-        top = logprobs.topk(batch.max_logprobs, dim=-1)
-        output.top_ids, output.top_logprobs = top.indices.tolist(), top.values.tolist()
+        top_ids, top_values = top_logprobs(logprobs, tokens.index_select(0, rows), batch.max_logprobs)
+        output.top_ids, output.top_logprobs = top_ids.tolist(), top_values.tolist()
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely token ids per row and their logprobs, ties broken deterministically:
+    the chosen token first among its equals, then lower ids first (argmax's rule).
+
+    topk's order among equal values is unspecified, and bf16 logits tie often; without this a
+    greedy token could be reported at rank 1 while another token heads the top list. With it
+    the chosen token sits at position `rank` (the count of strictly larger logprobs + 1).
+    """
+    values, ids = logprobs.topk(k, dim=-1)
+    if k == 0:
+        return ids, values
+    # Ties at the cut may hold the chosen token outside topk's pick: widen to every tied value.
+    width = int((logprobs >= values[:, -1:]).sum(dim=-1).max())
+    if width > k:
+        values, ids = logprobs.topk(width, dim=-1)
+    # Stable sorts, least significant key first: id, then chosen-first, then logprob.
+    order = ids.argsort(dim=-1)
+    not_chosen = (ids.gather(1, order) != chosen[:, None]).to(torch.int8)
+    order = order.gather(1, not_chosen.argsort(dim=-1, stable=True))
+    order = order.gather(1, values.gather(1, order).argsort(dim=-1, descending=True, stable=True))
+    return ids.gather(1, order[:, :k]), values.gather(1, order[:, :k])

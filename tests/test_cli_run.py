@@ -236,3 +236,20 @@ def test_memory_report_is_written_next_to_the_output(tmp_path, config_path):
     assert (report_dir / "memory_timeline.png").read_bytes()[:4] == b"\x89PNG"
     assert str(report_dir / "memory_report.json") in result.stderr
     assert "KV pool" in result.stderr  # the terminal summary
+
+
+def test_summary_names_only_files_that_exist(tmp_path, config_path):
+    # Every line fails before generation: no model is loaded and no completions file is made.
+    inputs = write_jsonl(tmp_path / "bad.jsonl", [
+        {"custom_id": "a", "method": "POST", "url": CHAT, "body": {"messages": [], "stream": True}},
+        {"custom_id": "b", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+    ])
+    output = tmp_path / "out" / "x.jsonl"
+    result = run_cli(inputs, "-c", config_path, "-q", "--output", output)
+    assert result.exit_code == 1, result.output
+    assert not output.exists()
+    assert "completions:" not in result.stderr and str(output) + "\n" not in result.stderr
+    errors, ordered = tmp_path / "out" / "x.errors.jsonl", tmp_path / "out" / "x.ordered.jsonl"
+    assert f"errors:      {errors}" in result.stderr and len(read_jsonl(errors)) == 2
+    assert f"in order:    {ordered}" in result.stderr and len(read_jsonl(ordered)) == 2
+    assert "report:" not in result.stderr

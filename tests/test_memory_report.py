@@ -4,6 +4,7 @@ through LLM on a tiny model."""
 from __future__ import annotations
 
 import json
+import random
 import struct
 
 import pytest
@@ -99,6 +100,53 @@ def test_png_timeline(report, tmp_path):
     assert width > 1000 and height > 700
     with pytest.raises(ValueError, match="empty timeline"):
         plot_timeline({**report, "timeline": []}, tmp_path / "empty.png")
+
+
+def simulated_report(num_blocks: int, num_requests: int, seed: int = 1) -> dict:
+    """A model-free run with SmolLM2-135M's KV geometry (bf16: 2,912 blocks of 16 in 1 GiB)."""
+    from pagedgen.engine.kv_manager import KVCacheManager
+    from pagedgen.memory.simulate import SimRequest, Simulation
+
+    rng = random.Random(seed)
+    requests = [SimRequest(f"r{i}", [rng.randrange(5, 9000) for _ in range(rng.randint(20, 60))],
+                           rng.randint(10, 40), n=rng.choice((1, 2))) for i in range(num_requests)]
+    kv = KVCacheManager(num_blocks, 16)
+    tracker = MemoryTracker(16, num_blocks, 2 * 30 * 3 * 64 * 2, "bfloat16", 2048, num_layers=30,
+                            num_kv_heads=3, head_dim=64)
+    Simulation(kv, tracker, max_num_seqs=8).run(requests)
+    return json.loads(json.dumps(build_report(tracker, kv.counters)))
+
+
+def panel_scale(ax) -> tuple[float, float, bool, str]:
+    """(y top, highest plotted value, pool line in the legend, the axes' text notes)."""
+    highest = max(max(line.get_ydata()) for line in ax.get_lines() if len(line.get_xdata()) > 2)
+    for area in ax.collections:   # the cached-free band reaches above the lines
+        highest = max(highest, max(y for path in area.get_paths() for _, y in path.vertices))
+    labels = ax.get_legend_handles_labels()[1]
+    return (ax.get_ylim()[1], highest, any(label.startswith("pool size") for label in labels),
+            " ".join(t.get_text() for t in ax.texts))
+
+
+@pytest.mark.parametrize("num_blocks, num_requests, pool_in_range", [(2912, 3, False), (40, 12, True)])
+def test_timeline_y_axis_follows_the_data(num_blocks, num_requests, pool_in_range, tmp_path):
+    import matplotlib.pyplot as plt
+
+    from pagedgen.memory.plot import HEADROOM, timeline_figure
+
+    report = simulated_report(num_blocks, num_requests)
+    assert report["summary"]["peak_blocks_used"] < 0.05 * num_blocks or pool_in_range
+    figure = timeline_figure(report)
+    try:
+        for ax in figure.axes[:2]:
+            top, highest, pool_line, notes = panel_scale(ax)
+            if pool_in_range:
+                assert pool_line and top == pytest.approx(max(highest, num_blocks) * HEADROOM)
+            else:   # a flat line at the bottom of a pool-sized axis was the bug
+                assert not pool_line and top == pytest.approx(highest * HEADROOM)
+                assert f"pool size {num_blocks:,} blocks (1023.75 MiB) is above this scale" in notes
+    finally:
+        plt.close(figure)
+    assert plot_timeline(report, tmp_path / f"pool{num_blocks}.png").stat().st_size > 10_000
 
 
 def test_report_through_llm_on_a_tiny_model(tmp_path):

@@ -59,3 +59,34 @@ def test_torch_path_used_when_native_is_switched_off(monkeypatch):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     finally:
         native.load.cache_clear()
+
+
+def test_failed_compile_warns_in_one_line_and_falls_back(monkeypatch, tmp_path):
+    # A "compiler" that fails the way gcc does: notes first, then errors, over many lines.
+    compiler = tmp_path / "failing-cc"
+    compiler.write_text("#!/bin/sh\n"
+                        "echo 'cpu_decode_attention.c: In function f:' >&2\n"
+                        "echo 'cpu_decode_attention.c:3:1: error: unknown type name x' >&2\n"
+                        "echo '    3 | x y;' >&2\n"
+                        "echo 'cpu_decode_attention.c:9:2: error: second problem' >&2\n"
+                        "exit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("PAGEDGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("PAGEDGEN_NATIVE_KERNELS", raising=False)
+    native.load.cache_clear()
+    try:
+        with pytest.warns(UserWarning) as caught:
+            assert native.load() is None
+        (message,) = [str(w.message) for w in caught]
+        assert "\n" not in message
+        assert "cpu_decode_attention.c:3:1: error: unknown type name x" in message
+        assert "second problem" not in message and "set PAGEDGEN_NATIVE_KERNELS=0 to silence" in message
+        query, k_cache, v_cache, tables, lens = _decode_case(3, 4, 2, 32, 8, torch.float32)
+        starts = torch.arange(len(lens) + 1, dtype=torch.int32)
+        got = torch_ops.paged_attention(query, k_cache, v_cache, tables.int(), lens.int(), starts, 0.2)
+        expected = reference.paged_attention(query, k_cache, v_cache, tables.int(), lens.int(),
+                                             starts, 0.2)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        native.load.cache_clear()

@@ -170,6 +170,32 @@ def test_logprobs_top_k_and_rank_of_the_sampled_token():
     torch.testing.assert_close(torch.tensor(out.logprobs), top.values[:, 0])
 
 
+def test_top_logprobs_put_the_chosen_token_first_among_exact_ties():
+    # bf16 logits tie exactly and topk orders equal values as it likes; the top list must still
+    # open with the token the sampler chose (argmax's for greedy rows), then lower ids first.
+    logits = torch.tensor([1.0, 3.0, 3.0, 3.0, 0.0, 3.0]).bfloat16().expand(41, 6).contiguous()
+    rows = [Row(SamplingParams(temperature=0, logprobs=2))] + \
+        [Row(SamplingParams(temperature=1.0, logprobs=k)) for k in (1, 2, 5, 6) for _ in range(10)]
+    out = sample(logits, rows, engine_seed=3)
+    assert out.token_ids[0] == 1                      # argmax: the first maximal index
+    assert len(set(out.token_ids[1:]) & {1, 2, 3, 5}) > 2   # draws land on several tied tokens
+    reference = logits[0].float().log_softmax(-1).tolist()
+    for token, rank, ids, values in zip(out.token_ids, out.ranks, out.top_ids, out.top_logprobs):
+        expected = sorted(range(6), key=lambda t: (-reference[t], t != token, t))
+        assert ids == expected and rank == expected.index(token) + 1
+        torch.testing.assert_close(values, [reference[t] for t in ids])
+
+
+def test_greedy_token_heads_the_top_list_on_a_wide_bf16_vocab():
+    logits = torch.randn(3, 49152, generator=seeded(5)).bfloat16()
+    logits[:, [40000, 7, 20000]] = 9.0               # three exact maxima per row
+    logits[1, 7] = -9.0                              # row 1: argmax is 20000
+    out = sample(logits, [Row(SamplingParams(temperature=0, logprobs=k)) for k in (1, 2, 3)])
+    assert out.token_ids == [7, 20000, 7] and out.ranks == [1, 1, 1]
+    assert out.top_ids[0] == out.top_ids[2] == [7, 20000, 40000]
+    assert out.top_ids[1][:2] == [20000, 40000]
+
+
 def test_rank_of_a_sampled_unlikely_token():
     logits = torch.tensor([[5.0, 4.0, 3.0, -50.0]])
     out = sample(logits, [Row(SamplingParams(logprobs=1), banned=[0, 1])])
