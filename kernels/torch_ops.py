@@ -80,11 +80,13 @@ def _gather_kv(k_cache, v_cache, blocks, num_seqs, plan: AttentionPlan):
 
 def _attend_decodes(query, k_cache, v_cache, plan: AttentionPlan, scale, out) -> None:
     group = plan.decode
-    q = query.index_select(0, group.rows)  # [S_d, H_q, D], contiguous
-    attended = plan.buffer("decode_out", tuple(q.shape), q)
+    whole = not plan.prefills  # a pure decode step: its rows are 0..S-1, in order
+    q = query.contiguous() if whole else query.index_select(0, group.rows)  # [S_d, H_q, D]
+    attended = out if whole else plan.buffer("decode_out", tuple(q.shape), q)
     # The native kernel reads K/V in place through the tables (no gather): ~3x less traffic.
     if native.decode_attention(q, k_cache, v_cache, group.tables, group.lens, scale, attended):
-        out.index_copy_(0, group.rows, attended)
+        if not whole:
+            out.index_copy_(0, group.rows, attended)
         return
     q = q.unsqueeze(2)  # [S_d, H_q, 1, D]
     k, v = _gather_kv(k_cache, v_cache, group.blocks, group.rows.numel(), plan)
