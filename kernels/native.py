@@ -1,4 +1,5 @@
-"""Build-on-first-use loader for the C decode-attention kernel (cpu_decode_attention.c).
+"""Build-on-first-use loader for the C kernels: decode attention (cpu_decode_attention.c) and
+the fused bf16 elementwise ops (cpu_fused_ops.c), one shared library.
 
 The shared library is compiled once per machine with the system C compiler and cached under
 $PAGEDGEN_CACHE_DIR (default ~/.cache/pagedgen) keyed by a hash of the source, the flags and
@@ -21,10 +22,16 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode_attention.c", "cpu_fused_ops.c")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
-_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-    [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+_SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
+    "paged_decode_attention": [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_float] +
+                              [ctypes.c_int] * 2,
+    "add_rms_norm_bf16": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float,
+                                                                        ctypes.c_int],
+    "silu_mul_bf16": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int],
+}
 
 
 def enabled() -> bool:
@@ -43,10 +50,10 @@ def _cpu_id() -> str:
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256(b"\0".join(
-        [SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_id().encode()]
+        [*(source.read_bytes() for source in SOURCES), " ".join(FLAGS).encode(), compiler.encode(), _cpu_id().encode()]
     )).hexdigest()[:16]
     cache = Path(os.environ.get("PAGEDGEN_CACHE_DIR", Path.home() / ".cache" / "pagedgen"))
-    return cache / "kernels" / f"cpu_decode_attention-{key}.so"
+    return cache / "kernels" / f"pagedgen-cpu-{key}.so"
 
 
 def _compile(compiler: str, target: Path) -> None:
@@ -55,7 +62,7 @@ def _compile(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True,
+        subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -90,8 +97,9 @@ def load() -> ctypes.CDLL | None:
         warnings.warn(f"pagedgen: native CPU attention unavailable, using torch "
                       f"({first_error_line(error)}); set PAGEDGEN_NATIVE_KERNELS=0 to silence")
         return None
-    library.paged_decode_attention.argtypes = _ARGTYPES
-    library.paged_decode_attention.restype = ctypes.c_int
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = argtypes, ctypes.c_int
     return library
 
 
@@ -124,3 +132,38 @@ def _supported(query, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
         return False
     same_dtype = k_cache.dtype == v_cache.dtype == out.dtype == query.dtype
     return same_dtype and block_tables.dtype == seq_lens.dtype == torch.int64
+
+
+def _bf16_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous()
+               for t in tensors)
+
+
+def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor | None:
+    """hidden += delta (in place), then RMSNorm(hidden) * weight, in one pass (bf16 only).
+
+    Returns the normed tensor, or None (nothing changed) when the native path does not apply."""
+    library = load()
+    tensors = (hidden, weight) if delta is None else (hidden, delta, weight)
+    if library is None or hidden.dim() != 2 or not _bf16_cpu(*tensors):
+        return None
+    if delta is not None and delta.shape != hidden.shape:
+        return None
+    out = torch.empty_like(hidden)
+    library.add_rms_norm_bf16(hidden.data_ptr(), None if delta is None else delta.data_ptr(),
+                              weight.data_ptr(), out.data_ptr(), hidden.shape[0], hidden.shape[1],
+                              eps, torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """SiLU(gate) * up for gate_up = [gate | up] rows (bf16 only), or None when not applicable."""
+    library = load()
+    if library is None or gate_up.dim() != 2 or not _bf16_cpu(gate_up):
+        return None
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    library.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
+                          torch.get_num_threads())
+    return out

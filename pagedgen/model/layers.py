@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedgen.kernels import native
 from pagedgen.model.linear import linear, pack_weight
 
 
@@ -34,7 +35,16 @@ class RMSNorm(nn.Module):
         self.weight = empty_parameter(size)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x), after the residual add x += delta (in place) when delta is given.
+
+        On CPU in bfloat16 the add and the norm are one native pass (kernels/cpu_fused_ops.c);
+        elsewhere the same operations in the same order in torch."""
+        fused = native.add_rms_norm(x, delta, self.weight, self.eps)
+        if fused is not None:
+            return fused
+        if delta is not None:
+            x.add_(delta)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -54,6 +64,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, packed=self.gate_up_packed)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        # in place: one temporary less
-        return linear(F.silu(gate).mul_(up), self.down_weight, packed=self.down_packed)
+        activated = native.silu_mul(gate_up)  # one pass on CPU in bfloat16, else None
+        if activated is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            activated = F.silu(gate).mul_(up)  # in place: one temporary less
+        return linear(activated, self.down_weight, packed=self.down_packed)

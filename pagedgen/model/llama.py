@@ -24,10 +24,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, hidden: torch.Tensor, step: StepMetadata, layer_cache: torch.Tensor) -> torch.Tensor:
-        # In-place residual adds: `hidden` is always a tensor this forward created.
-        hidden.add_(self.attention(self.input_norm(hidden), step, layer_cache[0], layer_cache[1]))
-        return hidden.add_(self.mlp(self.post_attention_norm(hidden)))
+    def forward(self, hidden: torch.Tensor, pending: torch.Tensor | None, step: StepMetadata,
+                layer_cache: torch.Tensor) -> torch.Tensor:
+        """Adds `pending` (the previous layer's MLP output) to the residual stream `hidden` in
+        place and returns this layer's MLP output: each residual add is fused with the norm
+        that follows it. `hidden` is always a tensor the decoder's forward created."""
+        normed = self.input_norm(hidden, pending)
+        attended = self.attention(normed, step, layer_cache[0], layer_cache[1])
+        return self.mlp(self.post_attention_norm(hidden, attended))
 
 
 class LlamaDecoder(nn.Module):
@@ -71,9 +75,10 @@ class LlamaDecoder(nn.Module):
         kv_cache: [L, 2, N, B, H_kv, D]; the new tokens' K/V are written into it.
         """
         hidden = F.embedding(input_ids, self.embed_weight)
+        pending = None
         for layer, layer_cache in zip(self.layers, kv_cache):
-            hidden = layer(hidden, step, layer_cache)
-        return hidden
+            pending = layer(hidden, pending, step, layer_cache)
+        return hidden if pending is None else hidden.add_(pending)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of the given rows only (the norm is per row, so select first)."""

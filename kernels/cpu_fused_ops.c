@@ -1,0 +1,72 @@
+/* Fused elementwise ops of the decoder for bfloat16 on the CPU (built with
+ * cpu_decode_attention.c into one library by kernels/native.py).
+ *
+ * Why: in torch, the residual add + RMSNorm is nine ops and SiLU(gate) * up two, each a
+ * separate pass over memory with its own dispatch; at decode batch sizes the dispatch
+ * dominates and at prefill sizes the passes do. One pass each here, rounding to bfloat16 at
+ * the same points torch does (so results match torch's to the last bit or one ulp).
+ * Threads: OpenMP over rows, on torch's own runtime (see cpu_decode_attention.c).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_round(float f) { /* round to nearest even, as torch */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* residual += delta (when delta != NULL), then out = bf16(bf16(residual * rsqrt(mean(residual^2)
+ * + eps)) * weight): transformers' LlamaRMSNorm order (normalise in float32, cast, scale). */
+int add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_t *weight,
+                      uint16_t *out, int64_t rows, int64_t dim, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads < 1 ? 1 : num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *x = residual + r * dim;
+        if (delta) {
+            const uint16_t *d = delta + r * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < dim; i++) x[i] = bf16_round(bf16_load(x[i]) + bf16_load(d[i]));
+        }
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; i++) {
+            float v = bf16_load(x[i]);
+            sum += v * v;
+        }
+        float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        uint16_t *o = out + r * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; i++) {
+            float normed = bf16_load(bf16_round(bf16_load(x[i]) * inv));
+            o[i] = bf16_round(normed * bf16_load(weight[i]));
+        }
+    }
+    return 0;
+}
+
+/* out[r] = bf16(bf16(silu(gate)) * up) with gate_up[r] = [gate | up], each `inter` wide. */
+int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter,
+                  int num_threads) {
+#pragma omp parallel for num_threads(num_threads < 1 ? 1 : num_threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * 2 * inter, *up = gate + inter;
+        uint16_t *o = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            float g = bf16_load(gate[i]);
+            float silu = bf16_load(bf16_round(g / (1.0f + expf(-g))));
+            o[i] = bf16_round(silu * bf16_load(up[i]));
+        }
+    }
+    return 0;
+}
