@@ -70,3 +70,29 @@ int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t 
     }
     return 0;
 }
+
+/* Rotary embedding, HF "rotate half" layout: for each head, with x = [x1 | x2],
+ * out = [x1*cos - x2*sin | x2*cos + x1*sin], every product and sum rounded to bf16 as torch's
+ * bf16 ops do (bit-identical to pagedgen.model.rope.apply_rope). x rows are `row_stride`
+ * elements apart (a view into the fused QKV output); cos_sin is [T, 2, D/2]; out is
+ * contiguous [T, heads, D]. */
+int rope_bf16(const uint16_t *x, int64_t row_stride, const uint16_t *cos_sin, uint16_t *out,
+              int64_t tokens, int64_t heads, int64_t head_dim, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads < 1 ? 1 : num_threads) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *cos = cos_sin + t * 2 * half, *sin = cos + half;
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *x1 = x + t * row_stride + h * head_dim, *x2 = x1 + half;
+            uint16_t *o1 = out + (t * heads + h) * head_dim, *o2 = o1 + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                float c = bf16_load(cos[i]), s = bf16_load(sin[i]);
+                float a = bf16_load(x1[i]), b = bf16_load(x2[i]);
+                o1[i] = bf16_round(bf16_load(bf16_round(a * c)) - bf16_load(bf16_round(b * s)));
+                o2[i] = bf16_round(bf16_load(bf16_round(b * c)) + bf16_load(bf16_round(a * s)));
+            }
+        }
+    }
+    return 0;
+}

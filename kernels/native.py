@@ -31,6 +31,8 @@ _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
     "add_rms_norm_bf16": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float,
                                                                         ctypes.c_int],
     "silu_mul_bf16": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int],
+    "rope_bf16": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] +
+                 [ctypes.c_int64] * 3 + [ctypes.c_int],
 }
 
 
@@ -166,4 +168,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
     library.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
                           torch.get_num_threads())
+    return out
+
+
+def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor | None:
+    """Rotary embedding of x [T, heads, D] (rows may be strided, heads and D contiguous) by
+    cos_sin [T, 2, D/2], bit-identical to model.rope.apply_rope; bf16 only, else None."""
+    library = load()
+    if library is None or x.dim() != 3 or cos_sin.dim() != 3:
+        return None
+    tokens, heads, head_dim = x.shape
+    inner_contiguous = x.stride(2) == 1 and x.stride(1) == head_dim
+    if not (inner_contiguous and _bf16_cpu(cos_sin) and x.dtype == torch.bfloat16
+            and x.device.type == "cpu" and cos_sin.shape == (tokens, 2, head_dim // 2)):
+        return None
+    out = torch.empty(tokens, heads, head_dim, dtype=x.dtype)
+    library.rope_bf16(x.data_ptr(), x.stride(0), cos_sin.data_ptr(), out.data_ptr(), tokens,
+                      heads, head_dim, torch.get_num_threads())
     return out

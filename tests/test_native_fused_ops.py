@@ -54,3 +54,22 @@ def test_rms_norm_module_adds_the_residual_on_every_path():
         out = norm(hidden, delta)
         assert torch.equal(hidden, torch.full((2, 16), 3.0, dtype=dtype))
         torch.testing.assert_close(out.float(), torch.ones(2, 16), atol=1e-2, rtol=0)
+
+
+@needs_native
+@pytest.mark.parametrize("heads,head_dim", [(12, 64), (5, 16)])
+def test_rope_matches_torch_bit_for_bit_on_a_strided_view(heads, head_dim):
+    from pagedgen.model import rope
+
+    tokens = 9
+    fused_qkv = _bf16(tokens, heads * head_dim + 40)  # rows wider than the q/k part
+    x = fused_qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    angles = torch.rand(tokens, head_dim // 2) * 6
+    cos_sin = torch.stack((angles.cos(), angles.sin()), dim=1).bfloat16()
+    got = native.rope(x, cos_sin)
+    half = head_dim // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos_sin[:, None, 0], cos_sin[:, None, 1]
+    expected = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    assert torch.equal(got, expected)
+    assert torch.equal(rope.apply_rope(x, cos_sin), expected)

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from pagedgen.kernels import native
 from pagedgen.model.config import ModelConfig
 
 
@@ -62,6 +63,9 @@ def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 
     Same arithmetic as transformers' `x * cos + rotate_half(x) * sin`, written per half.
     """
+    fused = native.rope(x, cos_sin)  # one pass on CPU in bfloat16 (bit-identical), else None
+    if fused is not None:
+        return fused
     half = x.shape[-1] // 2
     cos = cos_sin[:, None, 0]  # [T, 1, D/2], broadcast over heads
     sin = cos_sin[:, None, 1]
