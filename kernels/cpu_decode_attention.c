@@ -8,7 +8,10 @@
  * memory-bound, so reading each K and V byte once is what makes it fast.
  *
  * Layout (docs/contracts.md section 1): one layer's K (or V) cache is [N, B, H_kv, D],
- * contiguous; the query is [S, H_q, D]; block tables are int64 [S, max_blocks].
+ * contiguous; the query is [S, H_q, D] with heads contiguous and q_stride elements between
+ * sequences; the output is contiguous [S, H_q, D]; block tables are int64 [S, max_blocks].
+ * bfloat16 goes to the AVX-512 BF16 kernel (cpu_decode_attention_bf16.c) where the build
+ * machine has it; this portable loop serves float32, other CPUs and other head sizes.
  * Work is split over sequences across threads; each K/V row is loaded once for all the
  * H_q / H_kv query heads that share its kv head (GQA).
  */
@@ -26,7 +29,7 @@ typedef struct {
     const void *q, *k_cache, *v_cache;
     const int64_t *block_tables, *seq_lens;
     void *out;
-    int64_t max_blocks;
+    int64_t max_blocks, q_stride;
     int num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, is_bf16;
     float scale;
     float (*scratch_q)[MAX_DIM];         /* per thread: [num_q_heads][MAX_DIM] */
@@ -67,7 +70,7 @@ ALWAYS_INLINE void attend_one(const Job *job, int seq, float *scores, int dim, i
     float (*q)[MAX_DIM] = job->scratch_q, (*acc)[MAX_DIM] = job->scratch_acc;
     float row[MAX_DIM], max_score[MAX_HEADS], denom[MAX_HEADS];
     for (int h = 0; h < hq; h++) {
-        load_row(job->q, (int64_t)seq * hq + h, dim, is_bf16, q[h]);
+        load_row(job->q, (seq * job->q_stride) / dim + h, dim, is_bf16, q[h]);
         for (int d = 0; d < dim; d++) q[h][d] *= job->scale;
         memset(acc[h], 0, sizeof(float) * dim);
         max_score[h] = -FLT_MAX;
@@ -150,18 +153,29 @@ static AttendFn pick_attend(int dim, int group) {
     return attend_generic;
 }
 
+int paged_decode_attention_bf16(const void *q, int64_t q_stride, const void *k_cache,
+                                const void *v_cache, const int64_t *block_tables,
+                                int64_t max_blocks, const int64_t *seq_lens, void *out,
+                                int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
+                                int block_size, float scale, int num_threads);
+
 /* Returns 0 on success, 1 on unsupported shapes or allocation failure (caller falls back).
  * Threads: OpenMP. torch loads its libgomp.so.1 before this library, so the dynamic loader
  * binds us to that same runtime and we share torch's thread pool. (A second pool, or
  * pthreads of our own, fought torch's spinning workers for the 2 cores: 15x slower.) */
-int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
+int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, int64_t max_blocks,
                            const int64_t *seq_lens, void *out, int num_seqs, int num_q_heads,
                            int num_kv_heads, int head_dim, int block_size, float scale,
                            int is_bf16, int num_threads) {
     if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 1;
     if (num_q_heads / num_kv_heads > MAX_GROUP || num_q_heads > MAX_HEADS) return 1;
-    if (head_dim > MAX_DIM) return 1;
+    if (head_dim > MAX_DIM || q_stride % head_dim != 0) return 1;
+    if (is_bf16 && paged_decode_attention_bf16(q, q_stride, k_cache, v_cache, block_tables,
+                                               max_blocks, seq_lens, out, num_seqs, num_q_heads,
+                                               num_kv_heads, head_dim, block_size, scale,
+                                               num_threads) == 0)
+        return 0;
     int64_t longest = 1;
     for (int s = 0; s < num_seqs; s++)
         if (seq_lens[s] > longest) longest = seq_lens[s];
@@ -169,7 +183,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     int failed = 0;
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads) reduction(| : failed)
     {
-        Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, max_blocks, num_seqs,
+        Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, max_blocks, q_stride, num_seqs,
                    num_q_heads, num_kv_heads, head_dim, block_size, is_bf16, scale,
                    malloc(sizeof(float) * MAX_DIM * (size_t)num_q_heads),
                    malloc(sizeof(float) * MAX_DIM * (size_t)num_q_heads)};

@@ -22,12 +22,17 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode_attention.c", "cpu_fused_ops.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_decode_attention.c", "cpu_decode_attention_bf16.c", "cpu_fused_ops.c",
+                        "cpu_store_kv.c")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
-    "paged_decode_attention": [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p,
+    "paged_decode_attention": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +
+                              [ctypes.c_int64, ctypes.c_void_p,
                                ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_float] +
                               [ctypes.c_int] * 2,
+    "store_kv_rows": [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 +
+                     [ctypes.c_int64] * 3,
     "add_rms_norm_bf16": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float,
                                                                         ctypes.c_int],
     "silu_mul_bf16": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int],
@@ -110,7 +115,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                      out: torch.Tensor) -> bool:
     """Attention of one query token per sequence, K/V read in place through the tables.
 
-    query/out: contiguous [S, H_q, D]; k_cache/v_cache: contiguous [N, B, H_kv, D]; tables
+    query: [S, H_q, D] with heads and D contiguous (rows may be strided: a view of the fused
+    QKV output); out: contiguous [S, H_q, D]; k_cache/v_cache: contiguous [N, B, H_kv, D]; tables
     int64 [S, max_blocks]; seq_lens int64 [S]. float32 or bfloat16. Returns False (and leaves
     `out` untouched) when the native kernel is unavailable or the case is unsupported.
     """
@@ -119,7 +125,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         return False
     num_seqs, num_q_heads, head_dim = query.shape
     status = library.paged_decode_attention(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads,
         k_cache.shape[2], head_dim, k_cache.shape[1], scale,
         int(query.dtype == torch.bfloat16), torch.get_num_threads())
@@ -128,12 +134,44 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def _supported(query, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
     tensors = (query, k_cache, v_cache, block_tables, seq_lens, out)
-    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+    if any(t.device.type != "cpu" for t in tensors):
+        return False
+    if not all(t.is_contiguous() for t in tensors[1:]) or not _rows_strided(query):
         return False
     if query.dtype not in (torch.float32, torch.bfloat16):
         return False
     same_dtype = k_cache.dtype == v_cache.dtype == out.dtype == query.dtype
     return same_dtype and block_tables.dtype == seq_lens.dtype == torch.int64
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Copy K/V row t into cache slot slot_mapping[t] (-1: skip). key/value [T, H_kv, D] may
+    have strided rows (each its own stride); caches contiguous [N, B, H_kv, D]. False (nothing
+    written) when the native path does not apply; ValueError for a slot past the cache."""
+    library = load()
+    if library is None or key.shape != value.shape or slot_mapping.dtype != torch.int64:
+        return False
+    tensors = (key, value, k_cache, v_cache)
+    if any(t.device.type != "cpu" or t.dtype != k_cache.dtype for t in tensors):
+        return False
+    if not (_rows_strided(key) and _rows_strided(value) and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and slot_mapping.is_contiguous()
+            and slot_mapping.device.type == "cpu"):
+        return False
+    size, capacity = key.element_size(), k_cache.shape[0] * k_cache.shape[1]
+    status = library.store_kv_rows(key.data_ptr(), key.stride(0) * size, value.data_ptr(),
+                                   value.stride(0) * size, k_cache.data_ptr(), v_cache.data_ptr(),
+                                   slot_mapping.data_ptr(), key.shape[0], key[0].numel() * size,
+                                   capacity)
+    if status != 0:
+        raise ValueError(f"slot_mapping has a slot past the cache's {capacity} slots")
+    return True
+
+
+def _rows_strided(x: torch.Tensor) -> bool:
+    """[rows, heads, D] with heads and D packed, the rows any distance apart."""
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]
 
 
 def _bf16_cpu(*tensors: torch.Tensor) -> bool:

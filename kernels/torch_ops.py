@@ -26,10 +26,15 @@ def store_kv(
 ) -> None:
     """Write K/V of token t into slot slot_mapping[t]; slot -1 skips the token."""
     check_store_args(key, value, k_cache, v_cache, slot_mapping)
+    if native.store_kv(key, value, k_cache, v_cache, slot_mapping):
+        return
     slots = slot_mapping.long()
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
+    capacity = k_cache.shape[0] * k_cache.shape[1]
+    if slots.numel() and int(slots.max()) >= capacity:  # checked first: write all or nothing
+        raise ValueError(f"slot_mapping has a slot past the cache's {capacity} slots")
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     flat_k.index_copy_(0, slots, key.to(k_cache.dtype))
@@ -81,7 +86,7 @@ def _gather_kv(k_cache, v_cache, blocks, num_seqs, plan: AttentionPlan):
 def _attend_decodes(query, k_cache, v_cache, plan: AttentionPlan, scale, out) -> None:
     group = plan.decode
     whole = not plan.prefills  # a pure decode step: its rows are 0..S-1, in order
-    q = query.contiguous() if whole else query.index_select(0, group.rows)  # [S_d, H_q, D]
+    q = query if whole else query.index_select(0, group.rows)  # [S_d, H_q, D], rows may be strided
     attended = out if whole else plan.buffer("decode_out", tuple(q.shape), q)
     # The native kernel reads K/V in place through the tables (no gather): ~3x less traffic.
     if native.decode_attention(q, k_cache, v_cache, group.tables, group.lens, scale, attended):

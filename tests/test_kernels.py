@@ -149,6 +149,28 @@ def test_store_kv_writes_slots_and_skips_minus_one(ops):
     assert not k_cache[~written].any() and not v_cache[~written].any()  # token 1 went nowhere
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_from_strided_qkv_views_matches_reference(dtype):
+    # The model passes K as a slice of the rotated q|k and V as one of the fused QKV output:
+    # strided rows, each with its own stride.
+    qkv, rotated_qk = torch.randn(6, 3 + 2 + 2, 16).to(dtype), torch.randn(6, 3 + 2, 16).to(dtype)
+    key, value = rotated_qk[:, 3:], qkv[:, 5:7]
+    slots = torch.tensor([5, 0, -1, 31, 12, 8])
+    expected_k, expected_v = torch.zeros(4, 8, 2, 16, dtype=dtype), torch.zeros(4, 8, 2, 16, dtype=dtype)
+    reference.store_kv(key, value, expected_k, expected_v, slots)
+    got_k, got_v = torch.zeros_like(expected_k), torch.zeros_like(expected_v)
+    torch_ops.store_kv(key, value, got_k, got_v, slots)
+    assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)
+
+
+def test_store_kv_slot_past_the_cache_raises_and_writes_nothing():
+    k_cache, v_cache = torch.zeros(2, 8, 1, 4), torch.zeros(2, 8, 1, 4)
+    key = torch.ones(2, 1, 4)
+    with pytest.raises((ValueError, IndexError, RuntimeError)):
+        torch_ops.store_kv(key, key, k_cache, v_cache, torch.tensor([3, 16]))
+    assert not k_cache.any() and not v_cache.any()
+
+
 @pytest.mark.parametrize("ops", [reference, torch_ops], ids=["reference", "torch_ops"])
 def test_copy_blocks_copies_every_layer_k_and_v(ops):
     kv_cache = torch.randn(3, 2, 6, 4, 2, 8)

@@ -1,13 +1,16 @@
-"""The C decode-attention kernel (kernels/cpu_decode_attention.c) against the reference."""
+"""The C decode-attention kernels against the reference: the portable loop
+(kernels/cpu_decode_attention.c) and, for bfloat16 on CPUs with AVX-512 BF16, the vector
+kernel (kernels/cpu_decode_attention_bf16.c) that the same entry point tries first."""
 import pytest
 import torch
 
 from pagedgen.kernels import native, reference, torch_ops
 
 
-def _decode_case(num_seqs, q_heads, kv_heads, head_dim, block_size, dtype, seed=0):
+def _decode_case(num_seqs, q_heads, kv_heads, head_dim, block_size, dtype, seed=0,
+                 max_len=None):
     gen = torch.Generator().manual_seed(seed)
-    lens = torch.randint(1, 5 * block_size, (num_seqs,), generator=gen)
+    lens = torch.randint(1, max_len or 5 * block_size, (num_seqs,), generator=gen)
     blocks_per_seq = int((lens.max() + block_size - 1) // block_size)
     num_blocks = num_seqs * blocks_per_seq + 3
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
@@ -24,16 +27,33 @@ needs_native = pytest.mark.skipif(native.load() is None, reason="no C compiler h
 @needs_native
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 32), (6, 2, 24, 16), (12, 3, 16, 8)])
+    (9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 32), (6, 2, 24, 16), (12, 3, 16, 8),
+    (9, 3, 64, 8), (8, 1, 64, 64), (16, 2, 128, 16), (4, 4, 128, 8)])
 def test_native_decode_matches_reference(dtype, tol, q_heads, kv_heads, head_dim, block_size):
+    # Lengths up to 300 cross many blocks and leave partial 16-key chunks at the ends.
     query, k_cache, v_cache, tables, lens = _decode_case(6, q_heads, kv_heads, head_dim,
-                                                         block_size, dtype)
+                                                         block_size, dtype, max_len=300)
     out = torch.full_like(query, float("nan"))
     scale = head_dim ** -0.5
     assert native.decode_attention(query, k_cache, v_cache, tables.contiguous(), lens, scale, out)
     expected = reference.paged_attention(query, k_cache, v_cache, tables.int(), lens.int(),
                                          torch.arange(len(lens) + 1, dtype=torch.int32), scale)
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_reads_a_row_strided_query(dtype):
+    # The model passes q as a view of the fused QKV output: rows H_q + 2 * H_kv heads apart.
+    query, k_cache, v_cache, tables, lens = _decode_case(5, 9, 3, 64, 16, dtype, max_len=100)
+    qkv = torch.randn(5, 15, 64).to(dtype)
+    qkv[:, :9] = query
+    strided = qkv[:, :9]
+    assert not strided.is_contiguous()
+    got, expected = torch.empty_like(query), torch.empty_like(query)
+    assert native.decode_attention(strided, k_cache, v_cache, tables, lens, 0.125, got)
+    assert native.decode_attention(query, k_cache, v_cache, tables, lens, 0.125, expected)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
 @needs_native

@@ -8,6 +8,7 @@ import torch
 from pagedgen.kernels import get_ops
 from pagedgen.model.attention import StepMetadata, build_step_metadata
 from pagedgen.model.batch import FlatBatch, ScheduledChunk, build_flat_batch
+from pagedgen.model.cpu_malloc import keep_freed_memory
 from pagedgen.model.kv_cache import allocate_kv_cache, resolve_num_blocks
 from pagedgen.model.loader import LoadedModel
 
@@ -30,6 +31,8 @@ class ModelRunner:
             bytes_per_token=self.config.kv_bytes_per_token(self.dtype), block_size=block_size,
             device=self.device, num_blocks=num_blocks, kv_memory_bytes=kv_memory_bytes,
             kv_memory_fraction=kv_memory_fraction)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.model.pack_weights()
         self.kv_cache = allocate_kv_cache(self.config.num_layers, self.num_blocks, block_size,
                                           self.config.num_kv_heads, self.config.head_dim,
