@@ -133,15 +133,19 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 def _supported(query, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
-    tensors = (query, k_cache, v_cache, block_tables, seq_lens, out)
-    if any(t.device.type != "cpu" for t in tensors):
+    # Called once per layer and step: plain attribute checks, no generators (they showed up
+    # in profiles of small decode steps).
+    dtype = query.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or not _rows_strided(query):
         return False
-    if not all(t.is_contiguous() for t in tensors[1:]) or not _rows_strided(query):
+    if not (k_cache.dtype == v_cache.dtype == out.dtype == dtype
+            and block_tables.dtype == seq_lens.dtype == torch.int64):
         return False
-    if query.dtype not in (torch.float32, torch.bfloat16):
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()
+            and block_tables.is_contiguous() and seq_lens.is_contiguous()):
         return False
-    same_dtype = k_cache.dtype == v_cache.dtype == out.dtype == query.dtype
-    return same_dtype and block_tables.dtype == seq_lens.dtype == torch.int64
+    return (query.is_cpu and k_cache.is_cpu and v_cache.is_cpu and block_tables.is_cpu
+            and seq_lens.is_cpu and out.is_cpu)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -152,12 +156,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     library = load()
     if library is None or key.shape != value.shape or slot_mapping.dtype != torch.int64:
         return False
-    tensors = (key, value, k_cache, v_cache)
-    if any(t.device.type != "cpu" or t.dtype != k_cache.dtype for t in tensors):
+    if not (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype and key.is_cpu
+            and value.is_cpu and k_cache.is_cpu and v_cache.is_cpu and slot_mapping.is_cpu):
         return False
     if not (_rows_strided(key) and _rows_strided(value) and k_cache.is_contiguous()
-            and v_cache.is_contiguous() and slot_mapping.is_contiguous()
-            and slot_mapping.device.type == "cpu"):
+            and v_cache.is_contiguous() and slot_mapping.is_contiguous()):
         return False
     size, capacity = key.element_size(), k_cache.shape[0] * k_cache.shape[1]
     status = library.store_kv_rows(key.data_ptr(), key.stride(0) * size, value.data_ptr(),
@@ -175,8 +178,10 @@ def _rows_strided(x: torch.Tensor) -> bool:
 
 
 def _bf16_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous()
-               for t in tensors)
+    for t in tensors:  # a loop, not all(genexpr): this runs several times per layer and step
+        if not (t.dtype == torch.bfloat16 and t.is_cpu and t.is_contiguous()):
+            return False
+    return True
 
 
 def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -218,7 +223,7 @@ def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor | None:
     tokens, heads, head_dim = x.shape
     inner_contiguous = x.stride(2) == 1 and x.stride(1) == head_dim
     if not (inner_contiguous and _bf16_cpu(cos_sin) and x.dtype == torch.bfloat16
-            and x.device.type == "cpu" and cos_sin.shape == (tokens, 2, head_dim // 2)):
+            and x.is_cpu and cos_sin.shape == (tokens, 2, head_dim // 2)):
         return None
     out = torch.empty(tokens, heads, head_dim, dtype=x.dtype)
     library.rope_bf16(x.data_ptr(), x.stride(0), cos_sin.data_ptr(), out.data_ptr(), tokens,
