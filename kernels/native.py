@@ -1,5 +1,6 @@
-"""Build-on-first-use loader for the C kernels: decode attention (cpu_decode_attention.c) and
-the fused bf16 elementwise ops (cpu_fused_ops.c), one shared library.
+"""Build-on-first-use loader for the C kernels, one shared library: decode attention
+(cpu_decode_attention.c, cpu_decode_attention_bf16.c), the fused bf16 elementwise ops
+(cpu_fused_ops.c), the KV row store (cpu_store_kv.c) and the skinny AMX GEMM (cpu_gemm_amx.c).
 
 The shared library is compiled once per machine with the system C compiler and cached under
 $PAGEDGEN_CACHE_DIR (default ~/.cache/pagedgen) keyed by a hash of the source, the flags and
@@ -24,7 +25,7 @@ import torch
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_decode_attention.c", "cpu_decode_attention_bf16.c", "cpu_fused_ops.c",
-                        "cpu_store_kv.c")]
+                        "cpu_store_kv.c", "cpu_gemm_amx.c")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
     "paged_decode_attention": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +
@@ -33,6 +34,10 @@ _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
                               [ctypes.c_int] * 2,
     "store_kv_rows": [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 +
                      [ctypes.c_int64] * 3,
+    "amx_available": [],
+    "amx_pack_weight": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p],
+    "amx_linear_bf16": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +
+                       [ctypes.c_int64] * 3 + [ctypes.c_int],
     "add_rms_norm_bf16": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float,
                                                                         ctypes.c_int],
     "silu_mul_bf16": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int],
@@ -170,6 +175,38 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     if status != 0:
         raise ValueError(f"slot_mapping has a slot past the cache's {capacity} slots")
     return True
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The [N, K] bf16 weight repacked into AMX tiles (cpu_gemm_amx.c), or None when the CPU,
+    the build or the shape (N % 16, K % 32) does not allow it."""
+    library = load()
+    if library is None or weight.dim() != 2 or not _bf16_cpu(weight) or not library.amx_available():
+        return None
+    n, k = weight.shape
+    packed = torch.empty(n * k, dtype=torch.bfloat16)
+    if library.amx_pack_weight(weight.data_ptr(), n, k, packed.data_ptr()) != 0:
+        return None
+    return packed
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x @ W.T (+ bias) for bf16 x [M, K] (rows may be strided) and W packed by amx_pack;
+    None (nothing computed) when the native path does not apply."""
+    library = load()
+    if library is None or x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_cpu:
+        return None
+    rows, k = x.shape
+    if x.stride(1) != 1 or packed.numel() != out_features * k:
+        return None
+    if bias is not None and not (_bf16_cpu(bias) and bias.shape == (out_features,)):
+        return None
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    status = library.amx_linear_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                     rows, out_features, k, torch.get_num_threads())
+    return out if status == 0 else None
 
 
 def _rows_strided(x: torch.Tensor) -> bool:

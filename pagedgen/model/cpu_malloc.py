@@ -2,9 +2,10 @@
 
 torch's CPU allocator is glibc malloc. A prefill step allocates and frees tens of megabytes of
 activations per layer; with glibc's defaults much of it is returned to the kernel on free
-(munmap, heap trim) and faulted back in, zero-filled, on the next allocation: ~600k page
-faults in ten 2048-token steps of the default model, and ~8% of a prefill step's time
-(measured: 765 -> 704 ms, 595k -> 215k faults, 2 threads, bf16). Raising the mmap and trim
+(munmap, heap trim) and faulted back in, zero-filled, on the next allocation. Measured on the
+default model, bf16, 2 threads: ~520-900k page faults in a dozen 2048-token prefill steps
+against ~320k with these settings, and a prefill step of 767 ms against 836 ms (means of three
+alternating `bench/bench_model_step.py` runs; the machine is noisy). Raising the mmap and trim
 thresholds makes glibc reuse that memory. Peak RSS stays bounded by the largest step's working
 set (freed memory is reused, not leaked). Process-wide, so it is done once, on glibc only, and
 PAGEDGEN_MALLOC_TUNING=0 leaves malloc alone.

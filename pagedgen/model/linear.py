@@ -1,31 +1,60 @@
-"""Dense projections, with oneDNN-prepacked weights on CPU in bfloat16.
+"""Dense projections on CPU in bfloat16, with weights repacked once at start-up.
 
-F.linear on CPU reorders the weight into oneDNN's blocked layout on every call; for the
-skinny GEMMs of decode (16-64 rows against a 576x3072 weight) that reorder is a large share
-of the time. Packing once at start-up measured ~30% faster for those GEMMs (2 threads,
-bf16, M = 16 and 64) and bit-identical results. float32 and other devices keep F.linear.
+Two packings, whichever the CPU has:
+- AMX (kernels/cpu_gemm_amx.c): the weight as tiles for the tile unit; used for up to
+  AMX_MAX_ROWS rows (decode steps, small prefills), where the GEMM is bound by streaming the
+  weights and our kernel reached 1.2-2x oneDNN's speed through torch (2 threads, bf16, the
+  default model's shapes; 25-30 GB/s of weights at M <= 32). Larger row counts go to F.linear
+  on the plain weight, which matched oneDNN there.
+- oneDNN (`mkldnn._reorder_linear_weight`) where there is no AMX: F.linear reorders the weight
+  on every call, which for decode-sized GEMMs measured ~30% slower than packing once.
+Either way only one packed copy is kept next to the plain weight. float32 and other devices
+keep F.linear.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from pagedgen.kernels import native
 
-def pack_weight(weight: torch.Tensor, rows_hint: int = 64) -> torch.Tensor | None:
-    """oneDNN-packed copy of a [out, in] weight, or None where packing does not apply."""
+AMX_MAX_ROWS = 256  # measured: at 512 rows F.linear is as fast, and x no longer fits L2
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    kind: str  # "amx" or "onednn"
+    data: torch.Tensor
+    out_features: int
+
+
+def pack_weight(weight: torch.Tensor, rows_hint: int = 64) -> PackedWeight | None:
+    """A repacked copy of a [out, in] weight, or None where packing does not apply."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
+    amx = native.amx_pack(weight.detach())
+    if amx is not None:
+        return PackedWeight("amx", amx, weight.shape[0])
     if not torch.backends.mkldnn.is_available():
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
     except (RuntimeError, AttributeError):  # a torch build without these ops
         return None
+    return PackedWeight("onednn", onednn, weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
+           packed: PackedWeight | None = None) -> torch.Tensor:
     """x @ weight.T + bias, through the packed weight when there is one."""
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    if packed.kind == "amx":
+        if x.shape[0] <= AMX_MAX_ROWS:
+            out = native.amx_linear(x, packed.data, packed.out_features, bias)
+            if out is not None:
+                return out
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.data, bias, "none", [], "")

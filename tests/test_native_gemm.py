@@ -1,0 +1,71 @@
+"""The AMX GEMM (kernels/cpu_gemm_amx.c) and the packed-weight dispatch of model/linear.py."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedgen.kernels import native
+from pagedgen.model.linear import AMX_MAX_ROWS, linear, pack_weight
+
+has_amx = native.load() is not None and bool(native.load().amx_available())
+needs_amx = pytest.mark.skipif(not has_amx, reason="no AMX on this CPU (or no C compiler)")
+
+
+def _reference(x, weight, bias=None):
+    """float32 sums of the same bf16 inputs, rounded once to bf16: what the kernel promises."""
+    out = x.float() @ weight.float().T
+    return (out if bias is None else out + bias.float()).to(torch.bfloat16)
+
+
+def _case(rows, out_features, in_features, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).to(torch.bfloat16)
+    return x, weight
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 100, 256])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (48, 64), (64, 160)])
+def test_amx_linear_matches_float32_sums(rows, out_features, in_features):
+    # 96 outputs: pairs of 16-column blocks; 48: an odd count of blocks (the single-block loop,
+    # which takes at most 64 rows); K = 160: an odd number of 32-wide input blocks.
+    x, weight = _case(rows, out_features, in_features)
+    packed = native.amx_pack(weight)
+    got = native.amx_linear(x, packed, out_features)
+    if out_features == 48 and rows > 64:
+        assert got is None  # declined, nothing computed: the caller uses F.linear
+        return
+    expected = _reference(x, weight)
+    # Same products, another summation order: at most one bf16 rounding step apart.
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
+
+
+@needs_amx
+def test_amx_linear_adds_bias_and_reads_strided_rows():
+    x, weight = _case(20, 64, 96)
+    bias = torch.randn(64).to(torch.bfloat16)
+    wide = torch.randn(20, 96 + 32).to(torch.bfloat16)
+    wide[:, :96] = x
+    strided = wide[:, :96]
+    assert not strided.is_contiguous()
+    got = native.amx_linear(strided, native.amx_pack(weight), 64, bias)
+    torch.testing.assert_close(got.float(), _reference(x, weight, bias).float(), rtol=2 ** -7, atol=1e-3)
+
+
+@needs_amx
+def test_linear_dispatch_amx_for_small_batches_f_linear_above():
+    x, weight = _case(AMX_MAX_ROWS + 1, 64, 64)
+    packed = pack_weight(weight)
+    assert packed.kind == "amx"
+    small = linear(x[:5], weight, packed=packed)
+    torch.testing.assert_close(small.float(), _reference(x[:5], weight).float(), rtol=2 ** -7, atol=1e-3)
+    assert torch.equal(linear(x, weight, packed=packed), F.linear(x, weight))
+
+
+def test_unpackable_weights_use_f_linear():
+    weight = torch.randn(8, 8)
+    assert pack_weight(weight) is None  # float32: nothing to pack
+    x = torch.randn(3, 8)
+    assert torch.equal(linear(x, weight), F.linear(x, weight))
+    if native.load() is not None:
+        assert native.amx_pack(torch.randn(10, 64).to(torch.bfloat16)) is None  # 10 % 16 != 0
