@@ -1,7 +1,7 @@
 /* Writes the new tokens' K and V rows into their cache slots (the CPU store_kv).
  *
- * Why C: torch's index_copy_ into the [N * B, H_kv, D] cache took ~100 us per call at decode
- * sizes (64 rows of a few hundred bytes), 60 calls per step; a plain row copy takes ~1 us.
+ * Why C: torch's index_copy_ into the [N * B, H_kv, D] cache took 100-200 us per call at decode
+ * sizes (64 rows of a few hundred bytes), 60 calls per step.
  * Rows are copied as bytes, so any dtype works; the source rows may be strided (K and V are
  * views of the fused QKV output). Slot -1 skips the token (docs/contracts.md section 2); a
  * slot past the cache fails the whole call before anything is written (returns 1).
@@ -17,6 +17,16 @@ int store_kv_rows(const void *key, int64_t key_stride_bytes, const void *value,
         if (slots[t] >= capacity) return 1;
     const char *k_src = key, *v_src = value;
     char *k_dst = k_cache, *v_dst = v_cache;
+    /* The slots are scattered over the cache and their lines are cold: request all of them
+     * first so the misses overlap, then copy (measured: 2.4 -> 1.0 ms per decode step of 64
+     * sequences, 60 calls). */
+    for (int64_t t = 0; t < rows; t++) {
+        if (slots[t] < 0) continue;
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+            __builtin_prefetch(k_dst + slots[t] * row_bytes + byte, 1, 3);
+            __builtin_prefetch(v_dst + slots[t] * row_bytes + byte, 1, 3);
+        }
+    }
     for (int64_t t = 0; t < rows; t++) {
         if (slots[t] < 0) continue;
         memcpy(k_dst + slots[t] * row_bytes, k_src + t * key_stride_bytes, (size_t)row_bytes);
