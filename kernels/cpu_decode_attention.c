@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_decode_shapes.h"
+
 #define MAX_GROUP 16  /* query heads per kv head */
 #define MAX_HEADS 128 /* query heads */
 #define MAX_DIM 256   /* head dim */
@@ -134,8 +136,7 @@ ALWAYS_INLINE void attend_one(const Job *job, int seq, float *scores, int dim, i
         if (job->is_bf16) attend_one(job, seq, scores, DIM, GROUP, 1);                       \
         else attend_one(job, seq, scores, DIM, GROUP, 0);                                    \
     }
-SPECIALISE(64, 1) SPECIALISE(64, 2) SPECIALISE(64, 3) SPECIALISE(64, 4) SPECIALISE(64, 8)
-SPECIALISE(128, 1) SPECIALISE(128, 2) SPECIALISE(128, 4) SPECIALISE(128, 8)
+DECODE_SHAPES(SPECIALISE)
 
 static void attend_generic(const Job *job, int seq, float *scores) {
     int group = job->num_q_heads / job->num_kv_heads;
@@ -147,17 +148,10 @@ typedef void (*AttendFn)(const Job *, int, float *);
 
 static AttendFn pick_attend(int dim, int group) {
 #define CASE(DIM, GROUP) if (dim == DIM && group == GROUP) return attend_##DIM##_##GROUP;
-    CASE(64, 1) CASE(64, 2) CASE(64, 3) CASE(64, 4) CASE(64, 8)
-    CASE(128, 1) CASE(128, 2) CASE(128, 4) CASE(128, 8)
+    DECODE_SHAPES(CASE)
 #undef CASE
     return attend_generic;
 }
-
-int paged_decode_attention_bf16(const void *q, int64_t q_stride, const void *k_cache,
-                                const void *v_cache, const int64_t *block_tables,
-                                int64_t max_blocks, const int64_t *seq_lens, void *out,
-                                int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
-                                int block_size, float scale, int num_threads);
 
 /* Returns 0 on success, 1 on unsupported shapes or allocation failure (caller falls back).
  * Threads: OpenMP. torch loads its libgomp.so.1 before this library, so the dynamic loader

@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_decode_shapes.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -211,15 +213,13 @@ ALWAYS_INLINE void attend_head_group(const Bf16Job *job, int seq, int kv, float 
     static void attend_##DIM##_##GROUP(const Bf16Job *job, int seq, int kv, float *scores) { \
         attend_head_group(job, seq, kv, scores, DIM, GROUP);                               \
     }
-SPECIALISE(64, 1) SPECIALISE(64, 2) SPECIALISE(64, 3) SPECIALISE(64, 4) SPECIALISE(64, 8)
-SPECIALISE(128, 1) SPECIALISE(128, 2) SPECIALISE(128, 4) SPECIALISE(128, 8)
+DECODE_SHAPES(SPECIALISE)
 
 typedef void (*AttendFn)(const Bf16Job *, int, int, float *);
 
 static AttendFn pick(int dim, int group) {
 #define CASE(DIM, GROUP) if (dim == DIM && group == GROUP) return attend_##DIM##_##GROUP;
-    CASE(64, 1) CASE(64, 2) CASE(64, 3) CASE(64, 4) CASE(64, 8)
-    CASE(128, 1) CASE(128, 2) CASE(128, 4) CASE(128, 8)
+    DECODE_SHAPES(CASE)
 #undef CASE
     return NULL;
 }

@@ -26,6 +26,7 @@ import torch
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_decode_attention.c", "cpu_decode_attention_bf16.c", "cpu_fused_ops.c",
                         "cpu_store_kv.c", "cpu_gemm_amx.c")]
+HEADERS = [Path(__file__).with_name("cpu_decode_shapes.h")]  # part of the cache key
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
     "paged_decode_attention": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +
@@ -62,7 +63,8 @@ def _cpu_id() -> str:
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256(b"\0".join(
-        [*(source.read_bytes() for source in SOURCES), " ".join(FLAGS).encode(), compiler.encode(), _cpu_id().encode()]
+        [*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(FLAGS).encode(),
+         compiler.encode(), _cpu_id().encode()]
     )).hexdigest()[:16]
     cache = Path(os.environ.get("PAGEDGEN_CACHE_DIR", Path.home() / ".cache" / "pagedgen"))
     return cache / "kernels" / f"pagedgen-cpu-{key}.so"
