@@ -62,6 +62,13 @@ ALWAYS_INLINE __m512 bf16x16_to_f32(const uint16_t *src) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+/* Row of token 0 of logical block `index`, kv head `kv`; the block's tokens follow at a stride
+ * of num_kv_heads * DIM elements. */
+ALWAYS_INLINE const uint16_t *head_rows(const Bf16Job *job, const uint16_t *cache,
+                                        const int64_t *table, int64_t index, int kv, int DIM) {
+    return cache + (table[index] * job->block_size * job->num_kv_heads + kv) * DIM;
+}
+
 #ifndef PREFETCH_DISTANCE
 #define PREFETCH_DISTANCE 1 /* blocks ahead */
 #endif
@@ -72,9 +79,10 @@ ALWAYS_INLINE void prefetch_block_ahead(const Bf16Job *job, const uint16_t *cach
                                         const int64_t *table, int64_t start, int64_t len, int kv,
                                         int DIM) {
     const int bs = job->block_size;
-    const int64_t ahead = start + (int64_t)PREFETCH_DISTANCE * bs, stride = (int64_t)job->num_kv_heads * DIM;
+    const int64_t ahead = start + (int64_t)PREFETCH_DISTANCE * bs;
+    const int64_t stride = (int64_t)job->num_kv_heads * DIM;
     if (ahead >= len) return;
-    const uint16_t *rows = cache + (table[ahead / bs] * bs * job->num_kv_heads + kv) * DIM;
+    const uint16_t *rows = head_rows(job, cache, table, ahead / bs, kv, DIM);
     int count = len - ahead < bs ? (int)(len - ahead) : bs;
     for (int t = 0; t < count; t++)
         for (int byte = 0; byte < DIM * 2; byte += 64)
@@ -89,7 +97,8 @@ ALWAYS_INLINE __m512 dot_chunk(const uint16_t *rows, int n, int64_t stride, cons
         __m512 acc = _mm512_setzero_ps();
         if (t < n)
             for (int i = 0; i < NV; i++)
-                acc = _mm512_dpbf16_ps(acc, q[i], (__m512bh)_mm512_loadu_si512(rows + t * stride + 32 * i));
+                acc = _mm512_dpbf16_ps(acc, q[i],
+                                       (__m512bh)_mm512_loadu_si512(rows + t * stride + 32 * i));
         dots[t] = acc;
     }
     return sum16(dots);
@@ -106,7 +115,7 @@ ALWAYS_INLINE void score_keys(const Bf16Job *job, const int64_t *table, int64_t 
     __m512 top[MAX_GROUP]; /* fixed sizes: after unrolling they live in registers */
     for (int g = 0; g < GROUP; g++) top[g] = _mm512_set1_ps(-FLT_MAX);
     for (int64_t start = 0; start < len; start += bs) {
-        const uint16_t *rows = job->k_cache + (table[start / bs] * bs * job->num_kv_heads + kv) * DIM;
+        const uint16_t *rows = head_rows(job, job->k_cache, table, start / bs, kv, DIM);
         int count = len - start < bs ? (int)(len - start) : bs;
         prefetch_block_ahead(job, job->k_cache, table, start, len, kv, DIM);
         for (int c = 0; c < count; c += CHUNK) {
@@ -171,7 +180,7 @@ ALWAYS_INLINE void weigh_values(const Bf16Job *job, const int64_t *table, int64_
     for (int g = 0; g < GROUP; g++)
         for (int j = 0; j < NF; j++) acc[g][j] = _mm512_setzero_ps();
     for (int64_t start = 0; start < len; start += bs) {
-        const uint16_t *rows = job->v_cache + (table[start / bs] * bs * job->num_kv_heads + kv) * DIM;
+        const uint16_t *rows = head_rows(job, job->v_cache, table, start / bs, kv, DIM);
         int count = len - start < bs ? (int)(len - start) : bs;
         prefetch_block_ahead(job, job->v_cache, table, start, len, kv, DIM);
         for (int t = 0; t < count; t++) {

@@ -37,7 +37,8 @@ typedef struct {
 /* Linux grants the 8 KB tile state per process on request; 1 = granted. */
 static int amx_permitted(void) {
     static int state = 0; /* 0 unknown, 1 yes, -1 no; first asked outside parallel regions */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    if (state == 0)
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
     return state == 1;
 }
 
@@ -72,7 +73,8 @@ static void configure_tiles(void) {
 }
 
 ALWAYS_INLINE void prefetch_tile(const uint16_t *tile) {
-    for (int line = 0; line < 16; line++) _mm_prefetch((const char *)(tile + line * 32), _MM_HINT_T0);
+    for (int line = 0; line < 16; line++)
+        _mm_prefetch((const char *)(tile + line * 32), _MM_HINT_T0);
 }
 
 /* acc[rb] += x rows of block rb, inputs of k block KB, times weight tile WT (x tiles 4 and 6
@@ -185,7 +187,8 @@ static void store_pair_rows(float (*acc)[16][16], int64_t rows, const uint16_t *
                             uint16_t *out, int64_t n) {
     for (int64_t r = 0; r < rows; r++)
         for (int c = 0; c < 2; c++)
-            store16(acc[2 * (r / 16) + c][r % 16], bias ? bias + 16 * c : NULL, out + r * n + 16 * c);
+            store16(acc[2 * (r / 16) + c][r % 16], bias ? bias + 16 * c : NULL,
+                    out + r * n + 16 * c);
 }
 
 /* M > 16: column pairs, row blocks two at a time (the pair's panels stay in L2 between). */
@@ -204,7 +207,8 @@ static void linear_pairs(const uint16_t *x, int64_t stride_bytes, const uint16_t
             else
                 column_pair(xr, stride_bytes, kblocks, panels, rb == 0 ? next : NULL, acc, 1);
             int64_t rows = m - 16 * rb < 32 ? m - 16 * rb : 32;
-            store_pair_rows(acc, rows, bias ? bias + cp * 32 : NULL, out + 16 * rb * n + cp * 32, n);
+            store_pair_rows(acc, rows, bias ? bias + cp * 32 : NULL,
+                            out + 16 * rb * n + cp * 32, n);
         }
     }
 }

@@ -132,7 +132,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         return False
     num_seqs, num_q_heads, head_dim = query.shape
     status = library.paged_decode_attention(
-        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(),
         block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads,
         k_cache.shape[2], head_dim, k_cache.shape[1], scale,
         int(query.dtype == torch.bfloat16), torch.get_num_threads())
@@ -213,7 +214,9 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
 
 def _rows_strided(x: torch.Tensor) -> bool:
     """[rows, heads, D] with heads and D packed, the rows any distance apart."""
-    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]
+    if x.dim() != 3:
+        return False
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]
 
 
 def _bf16_cpu(*tensors: torch.Tensor) -> bool:

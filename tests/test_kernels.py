@@ -156,7 +156,8 @@ def test_store_kv_from_strided_qkv_views_matches_reference(dtype):
     qkv, rotated_qk = torch.randn(6, 3 + 2 + 2, 16).to(dtype), torch.randn(6, 3 + 2, 16).to(dtype)
     key, value = rotated_qk[:, 3:], qkv[:, 5:7]
     slots = torch.tensor([5, 0, -1, 31, 12, 8])
-    expected_k, expected_v = torch.zeros(4, 8, 2, 16, dtype=dtype), torch.zeros(4, 8, 2, 16, dtype=dtype)
+    expected_k = torch.zeros(4, 8, 2, 16, dtype=dtype)
+    expected_v = torch.zeros_like(expected_k)
     reference.store_kv(key, value, expected_k, expected_v, slots)
     got_k, got_v = torch.zeros_like(expected_k), torch.zeros_like(expected_v)
     torch_ops.store_kv(key, value, got_k, got_v, slots)

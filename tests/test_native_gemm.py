@@ -19,7 +19,8 @@ def _reference(x, weight, bias=None):
 def _case(rows, out_features, in_features, seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-    weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
+    weight = weight.to(torch.bfloat16)
     return x, weight
 
 
@@ -49,7 +50,8 @@ def test_amx_linear_adds_bias_and_reads_strided_rows():
     strided = wide[:, :96]
     assert not strided.is_contiguous()
     got = native.amx_linear(strided, native.amx_pack(weight), 64, bias)
-    torch.testing.assert_close(got.float(), _reference(x, weight, bias).float(), rtol=2 ** -7, atol=1e-3)
+    expected = _reference(x, weight, bias)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
 
 
 @needs_amx
@@ -58,7 +60,8 @@ def test_linear_dispatch_amx_for_small_batches_f_linear_above():
     packed = pack_weight(weight)
     assert packed.kind == "amx"
     small = linear(x[:5], weight, packed=packed)
-    torch.testing.assert_close(small.float(), _reference(x[:5], weight).float(), rtol=2 ** -7, atol=1e-3)
+    expected = _reference(x[:5], weight)
+    torch.testing.assert_close(small.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
     assert torch.equal(linear(x, weight, packed=packed), F.linear(x, weight))
 
 
