@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from pagedgen.model.huge_pages import empty_huge
+
 # Without an explicit size the pool takes this share of the memory that is free *after* the
 # weights are loaded. CPU memory is shared with the OS and other processes, so it is smaller.
 DEFAULT_KV_MEMORY_FRACTION = {"cuda": 0.9, "cpu": 0.3}
@@ -106,6 +108,8 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     logits into NaN. Once zeroed, every value in the pool stays finite.
     """
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    if torch.device(device).type == "cpu":  # every step streams the pool: huge pages
+        return empty_huge(shape, dtype).zero_()
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
