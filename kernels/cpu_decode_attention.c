@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "cpu_decode_shapes.h"
+#include "cpu_team_ops.h"
 
 #define MAX_GROUP 16  /* query heads per kv head */
 #define MAX_HEADS 128 /* query heads */
@@ -153,6 +154,41 @@ static AttendFn pick_attend(int dim, int group) {
     return attend_generic;
 }
 
+int decode_attention_supported(const DecodeAttention *a) {
+    if (a->num_kv_heads <= 0 || a->num_q_heads % a->num_kv_heads != 0) return 0;
+    if (a->num_q_heads / a->num_kv_heads > MAX_GROUP || a->num_q_heads > MAX_HEADS) return 0;
+    return a->head_dim <= MAX_DIM && a->q_stride % a->head_dim == 0;
+}
+
+/* The AVX-512 BF16 kernel where it applies, else the portable loop. */
+void decode_attention_team(const DecodeAttention *a, int *failed) {
+    if (decode_attention_bf16_supported(a)) {
+        decode_attention_bf16_team(a, failed);
+        return;
+    }
+    int64_t longest = 1;
+    for (int s = 0; s < a->num_seqs; s++)
+        if (a->seq_lens[s] > longest) longest = a->seq_lens[s];
+    AttendFn attend = pick_attend(a->head_dim, a->num_q_heads / a->num_kv_heads);
+    Job job = {a->q, a->k_cache, a->v_cache, a->block_tables, a->seq_lens, a->out,
+               a->max_blocks, a->q_stride, a->num_seqs, a->num_q_heads, a->num_kv_heads,
+               a->head_dim, a->block_size, a->is_bf16, a->scale,
+               malloc(sizeof(float) * MAX_DIM * (size_t)a->num_q_heads),
+               malloc(sizeof(float) * MAX_DIM * (size_t)a->num_q_heads)};
+    float *scores = malloc(sizeof(float) * (size_t)a->num_q_heads * (size_t)longest);
+    int ok = scores && job.scratch_q && job.scratch_acc;
+    if (!ok) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int seq = 0; seq < a->num_seqs; seq++)
+        if (ok) attend(&job, seq, scores);
+    free(scores);
+    free(job.scratch_q);
+    free(job.scratch_acc);
+}
+
 /* Returns 0 on success, 1 on unsupported shapes or allocation failure (caller falls back).
  * Threads: OpenMP. torch loads its libgomp.so.1 before this library, so the dynamic loader
  * binds us to that same runtime and we share torch's thread pool. (A second pool, or
@@ -162,34 +198,12 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                            const int64_t *seq_lens, void *out, int num_seqs, int num_q_heads,
                            int num_kv_heads, int head_dim, int block_size, float scale,
                            int is_bf16, int num_threads) {
-    if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 1;
-    if (num_q_heads / num_kv_heads > MAX_GROUP || num_q_heads > MAX_HEADS) return 1;
-    if (head_dim > MAX_DIM || q_stride % head_dim != 0) return 1;
-    if (is_bf16 && paged_decode_attention_bf16(q, q_stride, k_cache, v_cache, block_tables,
-                                               max_blocks, seq_lens, out, num_seqs, num_q_heads,
-                                               num_kv_heads, head_dim, block_size, scale,
-                                               num_threads) == 0)
-        return 0;
-    int64_t longest = 1;
-    for (int s = 0; s < num_seqs; s++)
-        if (seq_lens[s] > longest) longest = seq_lens[s];
-    AttendFn attend = pick_attend(head_dim, num_q_heads / num_kv_heads);
+    const DecodeAttention args = {q, k_cache, v_cache, block_tables, seq_lens, out, q_stride,
+                                  max_blocks, num_seqs, num_q_heads, num_kv_heads, head_dim,
+                                  block_size, is_bf16, scale};
+    if (!decode_attention_supported(&args)) return 1;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads) reduction(| : failed)
-    {
-        Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, max_blocks, q_stride, num_seqs,
-                   num_q_heads, num_kv_heads, head_dim, block_size, is_bf16, scale,
-                   malloc(sizeof(float) * MAX_DIM * (size_t)num_q_heads),
-                   malloc(sizeof(float) * MAX_DIM * (size_t)num_q_heads)};
-        float *scores = malloc(sizeof(float) * (size_t)num_q_heads * (size_t)longest);
-        int ok = scores && job.scratch_q && job.scratch_acc;
-#pragma omp for schedule(dynamic, 1)
-        for (int seq = 0; seq < num_seqs; seq++)
-            if (ok) attend(&job, seq, scores);
-        failed |= !ok;
-        free(scores);
-        free(job.scratch_q);
-        free(job.scratch_acc);
-    }
+#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
+    decode_attention_team(&args, &failed);
     return failed;
 }

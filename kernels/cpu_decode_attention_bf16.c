@@ -26,6 +26,7 @@
 #include <stdlib.h>
 
 #include "cpu_decode_shapes.h"
+#include "cpu_team_ops.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -265,44 +266,37 @@ static AttendFn pick(int dim, int group) {
     return NULL;
 }
 
-int paged_decode_attention_bf16(const void *q, int64_t q_stride, const void *k_cache,
-                                const void *v_cache, const int64_t *block_tables,
-                                int64_t max_blocks, const int64_t *seq_lens, void *out,
-                                int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
-                                int block_size, float scale, int num_threads) {
-    if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 1;
-    int group = num_q_heads / num_kv_heads;
-    AttendFn attend = pick(head_dim, group);
-    if (attend == NULL) return 1;
+int decode_attention_bf16_supported(const DecodeAttention *args) {
+    return args->is_bf16 && args->num_kv_heads > 0 &&
+           args->num_q_heads % args->num_kv_heads == 0 &&
+           pick(args->head_dim, args->num_q_heads / args->num_kv_heads) != NULL;
+}
+
+void decode_attention_bf16_team(const DecodeAttention *args, int *failed) {
+    AttendFn attend = pick(args->head_dim, args->num_q_heads / args->num_kv_heads);
     int64_t longest = 1;
-    for (int s = 0; s < num_seqs; s++)
-        if (seq_lens[s] > longest) longest = seq_lens[s];
-    Bf16Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, q_stride, max_blocks,
-                   num_q_heads, num_kv_heads, block_size, scale};
-    const size_t heads = (size_t)num_q_heads;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads) reduction(| : failed)
-    {
-        float *buffer = malloc(sizeof(float) * heads * ((size_t)longest + 2 + (size_t)head_dim));
-        Scratch scratch = {buffer, buffer + heads * longest, buffer + heads * (longest + 1),
-                           buffer + heads * (longest + 2)};
-#pragma omp for schedule(dynamic, 1)
-        for (int seq = 0; seq < num_seqs; seq++)
-            if (buffer != NULL) attend(&job, seq, &scratch);
-        failed |= buffer == NULL;
-        free(buffer);
+    for (int s = 0; s < args->num_seqs; s++)
+        if (args->seq_lens[s] > longest) longest = args->seq_lens[s];
+    const Bf16Job job = {args->q, args->k_cache, args->v_cache, args->block_tables,
+                         args->seq_lens, args->out, args->q_stride, args->max_blocks,
+                         args->num_q_heads, args->num_kv_heads, args->block_size, args->scale};
+    const size_t heads = (size_t)args->num_q_heads;
+    float *buffer = malloc(sizeof(float) * heads * ((size_t)longest + 2 + (size_t)args->head_dim));
+    Scratch scratch = {buffer, buffer + heads * longest, buffer + heads * (longest + 1),
+                       buffer + heads * (longest + 2)};
+    if (buffer == NULL) {
+#pragma omp atomic write
+        *failed = 1;
     }
-    return failed;
+#pragma omp for schedule(dynamic, 1)
+    for (int seq = 0; seq < args->num_seqs; seq++)
+        if (buffer != NULL) attend(&job, seq, &scratch);
+    free(buffer);
 }
 
 #else /* no AVX-512 BF16 on the build machine: the portable kernel does everything */
 
-int paged_decode_attention_bf16(const void *q, int64_t q_stride, const void *k_cache,
-                                const void *v_cache, const int64_t *block_tables,
-                                int64_t max_blocks, const int64_t *seq_lens, void *out,
-                                int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
-                                int block_size, float scale, int num_threads) {
-    return 1;
-}
+int decode_attention_bf16_supported(const DecodeAttention *args) { return 0; }
+void decode_attention_bf16_team(const DecodeAttention *args, int *failed) {}
 
 #endif

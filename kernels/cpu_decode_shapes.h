@@ -5,9 +5,3 @@
 #define DECODE_SHAPES(X) \
     X(64, 1) X(64, 2) X(64, 3) X(64, 4) X(64, 8) X(128, 1) X(128, 2) X(128, 4) X(128, 8)
 
-/* cpu_decode_attention_bf16.c: the AVX-512 BF16 kernel; returns 1 when it does not apply. */
-int paged_decode_attention_bf16(const void *q, int64_t q_stride, const void *k_cache,
-                                const void *v_cache, const int64_t *block_tables,
-                                int64_t max_blocks, const int64_t *seq_lens, void *out,
-                                int num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
-                                int block_size, float scale, int num_threads);

@@ -213,50 +213,70 @@ static void linear_pairs(const uint16_t *x, int64_t stride_bytes, const uint16_t
     }
 }
 
+/* Whether amx_linear_bf16 takes this shape (and the CPU has AMX): N % 16 == 0, K % 32 == 0,
+ * and M <= 64 when N / 16 is odd (single column blocks hold at most 4 row blocks). */
+int amx_linear_supported(int64_t m, int64_t n, int64_t k) {
+    if (m < 1 || n % 16 != 0 || k % 32 != 0 || !amx_permitted()) return 0;
+    return (n / 16) % 2 == 0 || m <= 16 * MAX_ROW_BLOCKS;
+}
+
+/* This thread's share (thread `me` of `threads`) of the output columns. x has whole 16-row
+ * blocks readable (rows past m are read and their sums dropped). */
+static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                         const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k,
+                         int me, int threads) {
+    const int64_t kblocks = k / 32, column_blocks = n / 16, stride_bytes = x_stride * 2;
+    const int row_blocks = (int)((m + 15) / 16);
+    float acc[MAX_ROW_BLOCKS][16][16];
+    configure_tiles();
+    if (column_blocks % 2 == 0) {
+        int64_t pairs = column_blocks / 2;
+        linear_pairs(x, stride_bytes, packed, bias, out, m, n, kblocks, row_blocks,
+                     pairs * me / threads, pairs * (me + 1) / threads);
+    } else {
+        int64_t first = column_blocks * me / threads, last = column_blocks * (me + 1) / threads;
+        for (int64_t cb = first; cb < last; cb++) {
+            const uint16_t *panel = packed + cb * kblocks * TILE_ELEMS;
+            const uint16_t *next = cb + 1 < last ? panel + kblocks * TILE_ELEMS : NULL;
+            switch (row_blocks) {
+            case 1: column_block(x, stride_bytes, kblocks, panel, next, acc, 1); break;
+            case 2: column_block(x, stride_bytes, kblocks, panel, next, acc, 2); break;
+            case 3: column_block(x, stride_bytes, kblocks, panel, next, acc, 3); break;
+            default: column_block(x, stride_bytes, kblocks, panel, next, acc, 4); break;
+            }
+            store_rows(acc, m, bias ? bias + cb * 16 : NULL, out + cb * 16, n);
+        }
+    }
+    _tile_release();
+}
+
+/* amx_linear_bf16 for every thread of an enclosing OpenMP team (cpu_decode_step.c), ending
+ * in a barrier. The caller checked amx_linear_supported and gives x whole 16-row blocks. */
+void amx_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                     const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k) {
+    linear_share(x, x_stride, packed, bias, out, m, n, k, omp_get_thread_num(),
+                 omp_get_num_threads());
+#pragma omp barrier
+}
+
 /* x: [m, k] bf16 rows x_stride elements apart; packed: amx_pack_weight of W [n, k]; bias: [n]
  * bf16 or NULL; out: contiguous [m, n] bf16. Returns 1 (nothing written) when unsupported. */
 int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                     const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k,
                     int num_threads) {
-    const int64_t kblocks = k / 32, column_blocks = n / 16;
-    if (m < 1 || n % 16 != 0 || k % 32 != 0 || !amx_permitted()) return 1;
-    if (column_blocks % 2 != 0 && m > 16 * MAX_ROW_BLOCKS) return 1; /* single blocks: M <= 64 */
-    const int row_blocks = (int)((m + 15) / 16);
+    if (!amx_linear_supported(m, n, k)) return 1;
     /* Tile loads read whole 16-row blocks: copy x into a zero-padded buffer when m is not a
      * multiple of 16 (a few KB: the rows of one decode step). */
     uint16_t *padded = NULL;
     if (m % 16 != 0) {
-        padded = calloc((size_t)row_blocks * 16 * (size_t)k, sizeof(uint16_t));
+        padded = calloc((size_t)((m + 15) / 16) * 16 * (size_t)k, sizeof(uint16_t));
         if (!padded) return 1;
         for (int64_t r = 0; r < m; r++) memcpy(padded + r * k, x + r * x_stride, (size_t)k * 2);
         x = padded, x_stride = k;
     }
-    const int64_t stride_bytes = x_stride * 2;
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
-    {
-        float acc[MAX_ROW_BLOCKS][16][16];
-        configure_tiles();
-        int threads = omp_get_num_threads(), me = omp_get_thread_num();
-        if (column_blocks % 2 == 0) {
-            int64_t pairs = column_blocks / 2;
-            linear_pairs(x, stride_bytes, packed, bias, out, m, n, kblocks, row_blocks,
-                         pairs * me / threads, pairs * (me + 1) / threads);
-        } else {
-            int64_t first = column_blocks * me / threads, last = column_blocks * (me + 1) / threads;
-            for (int64_t cb = first; cb < last; cb++) {
-                const uint16_t *panel = packed + cb * kblocks * TILE_ELEMS;
-                const uint16_t *next = cb + 1 < last ? panel + kblocks * TILE_ELEMS : NULL;
-                switch (row_blocks) {
-                case 1: column_block(x, stride_bytes, kblocks, panel, next, acc, 1); break;
-                case 2: column_block(x, stride_bytes, kblocks, panel, next, acc, 2); break;
-                case 3: column_block(x, stride_bytes, kblocks, panel, next, acc, 3); break;
-                default: column_block(x, stride_bytes, kblocks, panel, next, acc, 4); break;
-                }
-                store_rows(acc, m, bias ? bias + cb * 16 : NULL, out + cb * 16, n);
-            }
-        }
-        _tile_release();
-    }
+    linear_share(x, x_stride, packed, bias, out, m, n, k, omp_get_thread_num(),
+                 omp_get_num_threads());
     free(padded);
     return 0;
 }
@@ -264,6 +284,9 @@ int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
 #else /* no AMX at build time: callers keep oneDNN */
 
 int amx_available(void) { return 0; }
+int amx_linear_supported(int64_t m, int64_t n, int64_t k) { return 0; }
+void amx_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                     const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k) {}
 int amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) { return 1; }
 int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                     const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k,

@@ -25,8 +25,9 @@ import torch
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_decode_attention.c", "cpu_decode_attention_bf16.c", "cpu_fused_ops.c",
-                        "cpu_store_kv.c", "cpu_gemm_amx.c")]
-HEADERS = [Path(__file__).with_name("cpu_decode_shapes.h")]  # part of the cache key
+                        "cpu_store_kv.c", "cpu_gemm_amx.c", "cpu_decode_step.c")]
+HEADERS = [Path(__file__).with_name(name)  # part of the cache key
+           for name in ("cpu_decode_shapes.h", "cpu_team_ops.h")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
     "paged_decode_attention": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +
@@ -42,6 +43,8 @@ _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
     "add_rms_norm_bf16": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float,
                                                                         ctypes.c_int],
     "silu_mul_bf16": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int],
+    "decode_layers_bf16": [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_int],
     "rope_bf16": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] +
                  [ctypes.c_int64] * 3 + [ctypes.c_int],
 }

@@ -109,7 +109,7 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     """
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
     if torch.device(device).type == "cpu":  # every step streams the pool: huge pages
-        return empty_huge(shape, dtype).zero_()
+        return empty_huge(shape, dtype).zero_()  # zero_ commits the pages now, not mid-run
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

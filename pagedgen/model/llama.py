@@ -11,6 +11,7 @@ from torch import nn
 
 from pagedgen.model.attention import PagedSelfAttention, StepMetadata
 from pagedgen.model.config import ModelConfig
+from pagedgen.model.fused_decode import FusedDecode
 from pagedgen.model.layers import GatedMLP, RMSNorm, empty_parameter
 from pagedgen.model.linear import linear, pack_weight
 from pagedgen.model.rope import rope_table
@@ -48,6 +49,7 @@ class LlamaDecoder(nn.Module):
         # cos/sin of every position; filled by reset_rope_table() once the device is known.
         self.register_buffer("rope", torch.empty(0), persistent=False)
         self.lm_head_packed = None
+        self.fused_decode: FusedDecode | None = None  # set by pack_weights() where it applies
 
     def pack_weights(self) -> None:
         """Prepack the projection weights for the device's GEMM library (CPU bf16 only)."""
@@ -55,6 +57,7 @@ class LlamaDecoder(nn.Module):
             layer.attention.pack_weights()
             layer.mlp.pack_weights()
         self.lm_head_packed = pack_weight(self.lm_head_weight)
+        self.fused_decode = FusedDecode.build(self)
 
     def reset_rope_table(self) -> None:
         """(Re)compute the RoPE table on the weights' device and dtype."""
@@ -76,8 +79,11 @@ class LlamaDecoder(nn.Module):
         """
         hidden = F.embedding(input_ids, self.embed_weight)
         pending = None
-        for layer, layer_cache in zip(self.layers, kv_cache):
-            pending = layer(hidden, pending, step, layer_cache)
+        if self.fused_decode is not None:  # pure decode steps on CPU: all layers in one call
+            pending = self.fused_decode.run(self, hidden, step, kv_cache)
+        if pending is None:
+            for layer, layer_cache in zip(self.layers, kv_cache):
+                pending = layer(hidden, pending, step, layer_cache)
         return hidden if pending is None else hidden.add_(pending)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,44 @@
+/* The kernels' loops as OpenMP "team" functions: every thread of an enclosing parallel region
+ * calls one, the work is shared out inside (orphaned `omp for` or an explicit split) and it
+ * ends in a barrier. The Python-facing entry points wrap each in a region of its own;
+ * cpu_decode_step.c runs a whole decode step in one region, calling them in turn.
+ * Outside any region a team function runs everything on the calling thread. */
+#ifndef PAGEDGEN_CPU_TEAM_OPS_H
+#define PAGEDGEN_CPU_TEAM_OPS_H
+
+#include <stdint.h>
+
+/* cpu_fused_ops.c (bfloat16) */
+void add_rms_norm_team(uint16_t *residual, const uint16_t *delta, const uint16_t *weight,
+                       uint16_t *out, int64_t rows, int64_t dim, float eps);
+void silu_mul_team(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter);
+void rope_team(const uint16_t *x, int64_t row_stride, const uint16_t *cos_sin, uint16_t *out,
+               int64_t tokens, int64_t heads, int64_t head_dim);
+
+/* cpu_gemm_amx.c: x must have whole 16-row blocks readable. */
+int amx_linear_supported(int64_t m, int64_t n, int64_t k);
+void amx_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                     const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k);
+
+/* cpu_store_kv.c: slots already checked against the cache's capacity. */
+void store_kv_team(const void *key, int64_t key_stride_bytes, const void *value,
+                   int64_t value_stride_bytes, void *k_cache, void *v_cache, const int64_t *slots,
+                   int64_t rows, int64_t row_bytes);
+
+/* cpu_decode_attention.c / cpu_decode_attention_bf16.c: one query token per sequence. */
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    const int64_t *block_tables, *seq_lens;
+    void *out;
+    int64_t q_stride, max_blocks; /* q_stride: elements between sequences' query rows */
+    int num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, is_bf16;
+    float scale;
+} DecodeAttention;
+
+int decode_attention_supported(const DecodeAttention *args);
+/* *failed is set (never cleared) when a thread could not allocate its scratch. */
+void decode_attention_team(const DecodeAttention *args, int *failed);
+int decode_attention_bf16_supported(const DecodeAttention *args);
+void decode_attention_bf16_team(const DecodeAttention *args, int *failed);
+
+#endif

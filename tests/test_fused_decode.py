@@ -1,0 +1,74 @@
+"""The one-call decode step (kernels/cpu_decode_step.c via pagedgen/model/fused_decode.py) gives
+bit-identical logits and KV cache to running the layers one module at a time, and steps it
+does not cover (prefill chunks) still run the layers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedgen.model.loader import load_model
+from pagedgen.model.runner import ModelRunner, ScheduledChunk
+from tiny_models import sequential_block_tables, tiny_model_dir
+
+BLOCK_SIZE = 8
+PROMPT_LENGTHS = [1, 7, 8, 20]  # a lone token, block size -1, +0, several blocks
+
+
+def _runner(model_path: str | None) -> ModelRunner:
+    loaded = load_model(model_path, dtype=torch.bfloat16, device="cpu")  # private: we toggle it
+    runner = ModelRunner(loaded, BLOCK_SIZE, num_blocks=64)
+    if runner.model.fused_decode is None:
+        pytest.skip("no fused decode here (needs the native kernels and AMX)")
+    return runner
+
+
+class _Spy:
+    """Stands in for the model's FusedDecode and records what each call returned."""
+
+    def __init__(self, fused):
+        self.fused, self.results = fused, []
+
+    def run(self, *args):
+        self.results.append(self.fused.run(*args))
+        return self.results[-1]
+
+
+def _generate(runner: ModelRunner, fused: bool, steps: int = 5):
+    """Prefill, then greedy decode steps: every step's logits, the final cache, the spy."""
+    saved = runner.model.fused_decode
+    spy = _Spy(saved)
+    runner.model.fused_decode = spy if fused else None
+    runner.kv_cache.zero_()
+    lengths = list(PROMPT_LENGTHS)
+    tables = sequential_block_tables([n + steps for n in lengths], BLOCK_SIZE)
+    prompts = [[(7 * s + 3 * t) % 100 + 1 for t in range(n)] for s, n in enumerate(lengths)]
+    logits = [runner.execute([ScheduledChunk(p, 0, table, True)
+                              for p, table in zip(prompts, tables)], [])]
+    for _ in range(steps):
+        tokens = logits[-1].argmax(-1).tolist()
+        batch = [ScheduledChunk([token], n, table, True)
+                 for token, n, table in zip(tokens, lengths, tables)]
+        logits.append(runner.execute(batch, []))
+        lengths = [n + 1 for n in lengths]
+    runner.model.fused_decode = saved
+    return logits, runner.kv_cache.clone(), spy
+
+
+@pytest.mark.parametrize("model", ["tiny", "default"])
+def test_fused_decode_is_bit_identical_to_the_layers(model):
+    # tiny: head_dim 16 (the portable attention loop); default: SmolLM2, head_dim 64 (AVX-512).
+    runner = _runner(str(tiny_model_dir("llama")) if model == "tiny" else None)
+    fused_logits, fused_cache, spy = _generate(runner, fused=True)
+    layer_logits, layer_cache, _ = _generate(runner, fused=False)
+    # The prefill step was not covered (returned None), every decode step was.
+    assert [r is not None for r in spy.results] == [False] + [True] * (len(fused_logits) - 1)
+    for fused, layered in zip(fused_logits, layer_logits):
+        assert torch.equal(fused, layered)
+    assert torch.equal(fused_cache, layer_cache)
+
+
+def test_fused_decode_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("PAGEDGEN_FUSED_DECODE", "0")
+    loaded = load_model(str(tiny_model_dir("llama")), dtype=torch.bfloat16, device="cpu")
+    ModelRunner(loaded, BLOCK_SIZE, num_blocks=8)
+    assert loaded.model.fused_decode is None
