@@ -183,16 +183,14 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     return True
 
 
-def amx_pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
     """The [N, K] bf16 weight repacked into AMX tiles (cpu_gemm_amx.c), or None when the CPU,
     the build or the shape (N % 16, K % 32) does not allow it."""
     library = load()
     if library is None or weight.dim() != 2 or not _bf16_cpu(weight) or not library.amx_available():
         return None
     n, k = weight.shape
-    packed = torch.empty(n * k, dtype=torch.bfloat16) if out is None else out
-    if packed.shape != (n * k,) or packed.dtype != torch.bfloat16 or not packed.is_contiguous():
-        raise ValueError(f"amx_pack: out must be a contiguous bf16 [{n * k}] tensor")
+    packed = torch.empty(n * k, dtype=torch.bfloat16)
     if library.amx_pack_weight(weight.data_ptr(), n, k, packed.data_ptr()) != 0:
         return None
     return packed

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import torch
 
-from pagedgen.model.huge_pages import empty_huge
-
 # Without an explicit size the pool takes this share of the memory that is free *after* the
 # weights are loaded. CPU memory is shared with the OS and other processes, so it is smaller.
 DEFAULT_KV_MEMORY_FRACTION = {"cuda": 0.9, "cpu": 0.3}
@@ -100,8 +98,7 @@ def _budget(kv_memory_bytes, kv_memory_fraction, device) -> tuple[int, str]:
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """The one pool for all layers: [L, 2, num_blocks, B, H_kv, D], zero-filled (on CPU a fresh
-    mapping on huge pages, huge_pages.empty_huge; torch.zeros elsewhere).
+    """The one pool for all layers: [L, 2, num_blocks, B, H_kv, D], zero-filled.
 
     Zeros, not torch.empty: the CPU kernels gather whole blocks (block tails past seq_len,
     padded table entries) and mask them in the softmax, but 0 * NaN is NaN — recycled memory
@@ -109,11 +106,6 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     logits into NaN. Once zeroed, every value in the pool stays finite.
     """
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    if torch.device(device).type == "cpu":  # every step streams the pool: huge pages
-        # Not written here: the fresh mapping reads as zeros, and each 2 MiB page is faulted
-        # in when a block in it is first used. Faulting a huge page costs ~1.3 ms on this VM
-        # (2.6 s for a 2 GiB pool if done up front, against 0.5 s with 4 KiB pages).
-        return empty_huge(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from pagedgen.kernels import native
-from pagedgen.model.huge_pages import empty_huge
 
 AMX_MAX_ROWS = 256  # measured: at 512 rows F.linear is as fast, and x no longer fits L2
 
@@ -35,7 +34,7 @@ def pack_weight(weight: torch.Tensor, rows_hint: int = 64) -> PackedWeight | Non
     """A repacked copy of a [out, in] weight, or None where packing does not apply."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
-    amx = native.amx_pack(weight.detach(), out=empty_huge((weight.numel(),), torch.bfloat16))
+    amx = native.amx_pack(weight.detach())
     if amx is not None:
         return PackedWeight("amx", amx, weight.shape[0])
     if not torch.backends.mkldnn.is_available():
