@@ -31,6 +31,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+#include <omp.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define CHUNK 16 /* scores summed per transpose-add tree: one per float32 lane */
@@ -87,12 +88,33 @@ typedef struct {
     int64_t left;     /* bytes left to fetch of the block ahead */
 } Prefetch;
 
+/* The block a pass's last block hands the prefetching on to: the first block of the pass that
+ * follows (V after K; the next sequence's K after V), or none. */
+typedef struct {
+    const char *rows;
+    int64_t bytes;
+} NextPass;
+
+ALWAYS_INLINE NextPass first_block(const Bf16Job *job, const uint16_t *cache, int seq, int DIM) {
+    NextPass next = {NULL, 0};
+    if (seq < 0) return next;
+    const int64_t len = job->seq_lens[seq];
+    const int64_t *table = job->block_tables + (int64_t)seq * job->max_blocks;
+    next.rows = (const char *)block_rows(job, cache, table, 0, DIM);
+    next.bytes = (len < job->block_size ? len : job->block_size) * job->num_kv_heads * DIM * 2;
+    return next;
+}
+
 ALWAYS_INLINE Prefetch prefetch_ahead_start(const Bf16Job *job, const uint16_t *cache,
                                             const int64_t *table, int64_t start, int64_t len,
-                                            int DIM) {
+                                            NextPass then, int DIM) {
     Prefetch fetch = {NULL, 0};
     const int64_t ahead = start + job->block_size;
-    if (ahead >= len) return fetch;
+    if (ahead >= len) {
+        fetch.next = then.rows;
+        fetch.left = then.bytes;
+        return fetch;
+    }
     fetch.next = (const char *)block_rows(job, cache, table, ahead / job->block_size, DIM);
     int64_t tokens = len - ahead < job->block_size ? len - ahead : job->block_size;
     fetch.left = tokens * job->num_kv_heads * DIM * 2;
@@ -123,8 +145,8 @@ ALWAYS_INLINE __m512 dot_chunk(const uint16_t *rows, int n, int64_t stride, cons
  * head's maximum in max_score[h]. Block by block, all kv heads of a block before the next, so
  * the block's bytes are read once, front to back. */
 ALWAYS_INLINE void score_keys(const Bf16Job *job, const int64_t *table, int64_t len,
-                              const uint16_t *q, float *scores, float *max_score, int DIM,
-                              int GROUP) {
+                              const uint16_t *q, float *scores, float *max_score, NextPass then,
+                              int DIM, int GROUP) {
     const int bs = job->block_size, NV = DIM / 32, heads = job->num_q_heads;
     const int64_t stride = (int64_t)job->num_kv_heads * DIM; /* elements between tokens */
     const __m512 scale = _mm512_set1_ps(job->scale);
@@ -132,7 +154,7 @@ ALWAYS_INLINE void score_keys(const Bf16Job *job, const int64_t *table, int64_t 
     for (int64_t start = 0; start < len; start += bs) {
         const uint16_t *rows = block_rows(job, job->k_cache, table, start / bs, DIM);
         int count = len - start < bs ? (int)(len - start) : bs;
-        Prefetch fetch = prefetch_ahead_start(job, job->k_cache, table, start, len, DIM);
+        Prefetch fetch = prefetch_ahead_start(job, job->k_cache, table, start, len, then, DIM);
         const int64_t share = (fetch.left / heads + 63) & ~(int64_t)63;
         for (int c = 0; c < count; c += CHUNK) {
             int n = count - c < CHUNK ? count - c : CHUNK;
@@ -212,7 +234,7 @@ ALWAYS_INLINE void weigh_block(const uint16_t *rows, int count, int64_t stride, 
  * block, all kv heads of a block before the next. acc: num_q_heads * DIM floats of scratch. */
 ALWAYS_INLINE void weigh_values(const Bf16Job *job, const int64_t *table, int64_t len,
                                 const float *probs, const float *inv_sum, float *acc,
-                                uint16_t *out, int DIM, int GROUP) {
+                                uint16_t *out, NextPass then, int DIM, int GROUP) {
     const int bs = job->block_size, heads = job->num_q_heads;
     const int64_t stride = (int64_t)job->num_kv_heads * DIM;
     for (int64_t i = 0; i < (int64_t)heads * DIM; i += 16)
@@ -220,7 +242,7 @@ ALWAYS_INLINE void weigh_values(const Bf16Job *job, const int64_t *table, int64_
     for (int64_t start = 0; start < len; start += bs) {
         const uint16_t *rows = block_rows(job, job->v_cache, table, start / bs, DIM);
         int count = len - start < bs ? (int)(len - start) : bs;
-        Prefetch fetch = prefetch_ahead_start(job, job->v_cache, table, start, len, DIM);
+        Prefetch fetch = prefetch_ahead_start(job, job->v_cache, table, start, len, then, DIM);
         const int64_t share = (fetch.left / (count * job->num_kv_heads) + 63) & ~(int64_t)63;
         for (int kv = 0; kv < job->num_kv_heads; kv++)
             weigh_block(rows + kv * DIM, count, stride, probs + kv * GROUP * len + start, len,
@@ -240,25 +262,49 @@ typedef struct {
     float *scores, *max_score, *inv_sum, *acc;
 } Scratch;
 
-ALWAYS_INLINE void attend_sequence(const Bf16Job *job, int seq, const Scratch *scratch, int DIM,
-                                   int GROUP) {
+/* Sequence `seq`; `next`: the one this thread attends next (its first block is prefetched
+ * during the last V block of this one), or -1. */
+ALWAYS_INLINE void attend_sequence(const Bf16Job *job, int seq, int next, const Scratch *scratch,
+                                   int DIM, int GROUP) {
     const int64_t len = job->seq_lens[seq];
     const int64_t *table = job->block_tables + (int64_t)seq * job->max_blocks;
     const uint16_t *q = job->q + seq * job->q_stride;
-    score_keys(job, table, len, q, scratch->scores, scratch->max_score, DIM, GROUP);
+    score_keys(job, table, len, q, scratch->scores, scratch->max_score,
+               first_block(job, job->v_cache, seq, DIM), DIM, GROUP);
     softmax_rows(scratch->scores, len, scratch->max_score, scratch->inv_sum, job->num_q_heads);
     uint16_t *out = job->out + (int64_t)seq * job->num_q_heads * DIM;
-    weigh_values(job, table, len, scratch->scores, scratch->inv_sum, scratch->acc, out, DIM,
-                 GROUP);
+    weigh_values(job, table, len, scratch->scores, scratch->inv_sum, scratch->acc, out,
+                 first_block(job, job->k_cache, next, DIM), DIM, GROUP);
 }
 
 #define SPECIALISE(DIM, GROUP)                                                              \
-    static void attend_##DIM##_##GROUP(const Bf16Job *job, int seq, const Scratch *scratch) { \
-        attend_sequence(job, seq, scratch, DIM, GROUP);                                       \
+    static void attend_##DIM##_##GROUP(const Bf16Job *job, int seq, int next,                 \
+                                       const Scratch *scratch) {                              \
+        attend_sequence(job, seq, next, scratch, DIM, GROUP);                                 \
     }
 DECODE_SHAPES(SPECIALISE)
 
-typedef void (*AttendFn)(const Bf16Job *, int, const Scratch *);
+typedef void (*AttendFn)(const Bf16Job *, int, int, const Scratch *);
+
+/* Thread `me` of `threads` takes the sequences whose first context token falls in its equal
+ * share of all context tokens: a contiguous run, so it knows which sequence comes next, with
+ * about the same K/V traffic as the others. */
+static void split_by_tokens(const int64_t *seq_lens, int num_seqs, int me, int threads,
+                            int *begin, int *end) {
+    int64_t total = 0, seen = 0;
+    for (int s = 0; s < num_seqs; s++) total += seq_lens[s];
+    const int64_t from = total * me / threads, to = total * (me + 1) / threads;
+    *begin = *end = num_seqs;
+    for (int s = 0; s < num_seqs; s++) {
+        if (seen >= from && *begin == num_seqs) *begin = s;
+        if (seen >= to) {
+            *end = s;
+            break;
+        }
+        seen += seq_lens[s];
+    }
+    if (*begin > *end) *begin = *end;
+}
 
 static AttendFn pick(int dim, int group) {
 #define CASE(DIM, GROUP) if (dim == DIM && group == GROUP) return attend_##DIM##_##GROUP;
@@ -289,10 +335,13 @@ void decode_attention_bf16_team(const DecodeAttention *args, int *failed) {
 #pragma omp atomic write
         *failed = 1;
     }
-#pragma omp for schedule(dynamic, 1)
-    for (int seq = 0; seq < args->num_seqs; seq++)
-        if (buffer != NULL) attend(&job, seq, &scratch);
+    int begin, end;
+    split_by_tokens(args->seq_lens, args->num_seqs, omp_get_thread_num(), omp_get_num_threads(),
+                    &begin, &end);
+    for (int seq = begin; buffer != NULL && seq < end; seq++)
+        attend(&job, seq, seq + 1 < end ? seq + 1 : -1, &scratch);
     free(buffer);
+#pragma omp barrier
 }
 
 #else /* no AVX-512 BF16 on the build machine: the portable kernel does everything */
