@@ -1,23 +1,26 @@
 /* Paged decode attention for bfloat16 with AVX-512 BF16 intrinsics: the fast path that
  * cpu_decode_attention.c tries first (it keeps the portable loop for everything else).
  *
- * Why a second kernel: on this CPU's 480 MB L3 the KV of a decode step is mostly cache
- * resident, so the portable kernel was bound by instructions, not memory: every K row was
- * widened to float32 through a stack buffer and every q.k dot ended in a horizontal sum
- * (~8 shuffles and adds per score). Here
- *   - q.k runs on bf16 pairs straight from the cache with VDPBF16PS (float32 accumulation),
- *   - 16 scores are summed at once by a transpose-add tree (sum16: ~3 ops per score),
+ * Why a second kernel: the portable one was bound by instructions: every K row was widened
+ * to float32 through a stack buffer and every q.k dot ended in a horizontal sum. Here
+ *   - with AMX (and block sizes that are multiples of 16, at most 16 query heads), the scores
+ *     of 16 keys against all query heads are tile products (score_keys_amx); otherwise q.k
+ *     runs on bf16 pairs straight from the cache with VDPBF16PS, 16 scores summed at once by
+ *     a transpose-add tree (sum16: ~3 ops per score),
  *   - the V pass keeps the output accumulators of one kv head's query heads in registers,
- *   - a work item is one sequence; each pass walks its blocks once, all kv heads of a block
- *     before the next block, so every block is read front to back, once,
- *   - the next block is prefetched into L2 a few lines at a time while this one is computed.
- * In a full decode step the cache is not L3 resident (KV plus weights exceed the share of L3
- * a process gets): with one KV layout copy per layer streamed from DRAM, what counts is that
- * memory transfers overlap the arithmetic. Measured, batch 64 x context 300, 30 layers of
- * distinct caches, 2 threads: 10.7 ms with everything in L2 (the arithmetic), 15 ms to
- * stream the bytes, 28.6 ms for the earlier kernel (kv heads in turn, a burst prefetch of the
- * next block's head rows), 23.9 ms for this one. (On 2 MiB pages: 20.2 ms, but faulting them
- * in cost ~1.3 ms per page on this VM, 2.6 s for a 2 GiB pool: more than a run saved.)
+ *   - each pass walks a sequence's blocks once, all kv heads of a block before the next, so
+ *     every block is read front to back, once,
+ *   - each thread takes a contiguous run of sequences (split by tokens) and prefetches the
+ *     next block into L2 while computing the current one, across passes and sequences.
+ * In a full decode step the KV is not cache resident (KV plus weights exceed the share of L3
+ * a process gets), so what counts is that memory transfers overlap the arithmetic. Measured,
+ * batch 64 x context 300, 30 layers of distinct caches, 2 threads, ms per step: arithmetic
+ * alone (everything in L2) 8.8 with AMX scores, 11.6 without; the bytes alone, read in this
+ * order: 17.4 (15 for a plain sequential stream); the whole kernel 23.1; the earlier one (kv
+ * heads in turn, a burst prefetch of the next block's head rows) 28.6. The gap to the memory
+ * time is the software prefetches' own limit (each holds one of the core's few line-fill
+ * buffers); prefetching a whole pass ahead measured no better. (On 2 MiB pages: 20.2, but
+ * faulting them in cost ~1.3 ms per page on this VM, 2.6 s for a 2 GiB pool.)
  * Layouts are those of cpu_decode_attention.c; only the query may have a row stride (it is a
  * view of the fused QKV output, and copying it out would cost a pass over memory).
  */
@@ -25,6 +28,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "cpu_decode_shapes.h"
 #include "cpu_team_ops.h"
@@ -208,11 +212,16 @@ ALWAYS_INLINE void softmax_rows(float *scores, int64_t len, const float *max_sco
     }
 }
 
+/* Where p[h][t] is in the probabilities: probs[h * head + t * token]. */
+typedef struct {
+    int64_t head, token;
+} ProbLayout;
+
 /* acc[g] += sum over the block's `count` tokens of p[g][t] * V[t] for one kv head's GROUP
  * query heads; the accumulators live in registers for the block. */
 ALWAYS_INLINE void weigh_block(const uint16_t *rows, int count, int64_t stride, const float *probs,
-                               int64_t len, float *acc, Prefetch *fetch, int64_t share, int DIM,
-                               int GROUP) {
+                               ProbLayout layout, float *acc, Prefetch *fetch, int64_t share,
+                               int DIM, int GROUP) {
     const int NF = DIM / 16;
     __m512 sum[MAX_GROUP][MAX_VECS];
     for (int g = 0; g < GROUP; g++)
@@ -222,7 +231,7 @@ ALWAYS_INLINE void weigh_block(const uint16_t *rows, int count, int64_t stride, 
         __m512 value[MAX_VECS];
         for (int j = 0; j < NF; j++) value[j] = bf16x16_to_f32(rows + t * stride + 16 * j);
         for (int g = 0; g < GROUP; g++) {
-            __m512 p = _mm512_set1_ps(probs[g * len + t]);
+            __m512 p = _mm512_set1_ps(probs[g * layout.head + t * layout.token]);
             for (int j = 0; j < NF; j++) sum[g][j] = _mm512_fmadd_ps(p, value[j], sum[g][j]);
         }
     }
@@ -233,8 +242,8 @@ ALWAYS_INLINE void weigh_block(const uint16_t *rows, int count, int64_t stride, 
 /* out rows of every query head = sum_t p[h][t] * V[t] / sum[h], rounded to bf16; block by
  * block, all kv heads of a block before the next. acc: num_q_heads * DIM floats of scratch. */
 ALWAYS_INLINE void weigh_values(const Bf16Job *job, const int64_t *table, int64_t len,
-                                const float *probs, const float *inv_sum, float *acc,
-                                uint16_t *out, NextPass then, int DIM, int GROUP) {
+                                const float *probs, ProbLayout layout, const float *inv_sum,
+                                float *acc, uint16_t *out, NextPass then, int DIM, int GROUP) {
     const int bs = job->block_size, heads = job->num_q_heads;
     const int64_t stride = (int64_t)job->num_kv_heads * DIM;
     for (int64_t i = 0; i < (int64_t)heads * DIM; i += 16)
@@ -245,7 +254,8 @@ ALWAYS_INLINE void weigh_values(const Bf16Job *job, const int64_t *table, int64_
         Prefetch fetch = prefetch_ahead_start(job, job->v_cache, table, start, len, then, DIM);
         const int64_t share = (fetch.left / (count * job->num_kv_heads) + 63) & ~(int64_t)63;
         for (int kv = 0; kv < job->num_kv_heads; kv++)
-            weigh_block(rows + kv * DIM, count, stride, probs + kv * GROUP * len + start, len,
+            weigh_block(rows + kv * DIM, count, stride,
+                        probs + kv * GROUP * layout.head + start * layout.token, layout,
                         acc + kv * GROUP * DIM, &fetch, share, DIM, GROUP);
     }
     for (int h = 0; h < heads; h++) {
@@ -257,9 +267,14 @@ ALWAYS_INLINE void weigh_values(const Bf16Job *job, const int64_t *table, int64_
     }
 }
 
-/* Per-thread scratch: scores [heads][longest], then per-head max and 1/sum, then V sums. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "cpu_decode_scores_amx.h" /* score_keys_amx, softmax_columns: defines AMX_SCORES */
+#endif
+
+/* Per-thread scratch: scores, per-head max and 1/sum (16 at least), V sums; with AMX, Q^T. */
 typedef struct {
     float *scores, *max_score, *inv_sum, *acc;
+    uint32_t *q_tiles; /* NULL: the dot-product path */
 } Scratch;
 
 /* Sequence `seq`; `next`: the one this thread attends next (its first block is prefetched
@@ -269,11 +284,23 @@ ALWAYS_INLINE void attend_sequence(const Bf16Job *job, int seq, int next, const 
     const int64_t len = job->seq_lens[seq];
     const int64_t *table = job->block_tables + (int64_t)seq * job->max_blocks;
     const uint16_t *q = job->q + seq * job->q_stride;
-    score_keys(job, table, len, q, scratch->scores, scratch->max_score,
-               first_block(job, job->v_cache, seq, DIM), DIM, GROUP);
-    softmax_rows(scratch->scores, len, scratch->max_score, scratch->inv_sum, job->num_q_heads);
+    const NextPass values = first_block(job, job->v_cache, seq, DIM);
+    ProbLayout layout = {len, 1}; /* head-major */
+#ifdef AMX_SCORES
+    if (scratch->q_tiles != NULL) {
+        pack_query_tiles(job, q, scratch->q_tiles, DIM, GROUP);
+        score_keys_amx(job, table, len, scratch->q_tiles, scratch->scores, values, DIM);
+        softmax_columns(scratch->scores, len, job->scale, scratch->inv_sum);
+        layout = (ProbLayout){1, 16}; /* key-major */
+    } else
+#endif
+    {
+        score_keys(job, table, len, q, scratch->scores, scratch->max_score, values, DIM, GROUP);
+        softmax_rows(scratch->scores, len, scratch->max_score, scratch->inv_sum,
+                     job->num_q_heads);
+    }
     uint16_t *out = job->out + (int64_t)seq * job->num_q_heads * DIM;
-    weigh_values(job, table, len, scratch->scores, scratch->inv_sum, scratch->acc, out,
+    weigh_values(job, table, len, scratch->scores, layout, scratch->inv_sum, scratch->acc, out,
                  first_block(job, job->k_cache, next, DIM), DIM, GROUP);
 }
 
@@ -319,6 +346,35 @@ int decode_attention_bf16_supported(const DecodeAttention *args) {
            pick(args->head_dim, args->num_q_heads / args->num_kv_heads) != NULL;
 }
 
+/* Whether this call scores on AMX: the CPU lets us, blocks hold whole 16-key chunks, and all
+ * query heads fit the 16 columns of a tile. */
+static int use_amx_scores(const DecodeAttention *args) {
+#ifdef AMX_SCORES
+    return args->block_size % 16 == 0 && args->num_q_heads <= 16 && amx_available();
+#else
+    (void)args;
+    return 0;
+#endif
+}
+
+/* One allocation per thread for its Scratch; returns it (to free), NULL when out of memory. */
+static void *make_scratch(const DecodeAttention *args, int64_t longest, int amx,
+                          Scratch *scratch) {
+    const size_t heads = (size_t)args->num_q_heads, lanes = heads < 16 ? 16 : heads;
+    const size_t score_floats = amx ? ((size_t)longest + 15) / 16 * 16 * 16 : heads * longest;
+    const size_t tile_words = amx ? (size_t)args->num_kv_heads * (args->head_dim / 32) * 256 : 0;
+    const size_t floats = score_floats + 2 * lanes + heads * args->head_dim + tile_words;
+    float *buffer = aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
+    if (buffer == NULL) return NULL;
+    scratch->scores = buffer;
+    scratch->max_score = buffer + score_floats;
+    scratch->inv_sum = scratch->max_score + lanes;
+    scratch->acc = scratch->inv_sum + lanes;
+    scratch->q_tiles = amx ? (uint32_t *)(scratch->acc + heads * args->head_dim) : NULL;
+    if (amx) memset(scratch->q_tiles, 0, tile_words * 4); /* the columns that stay zero */
+    return buffer;
+}
+
 void decode_attention_bf16_team(const DecodeAttention *args, int *failed) {
     AttendFn attend = pick(args->head_dim, args->num_q_heads / args->num_kv_heads);
     int64_t longest = 1;
@@ -327,10 +383,9 @@ void decode_attention_bf16_team(const DecodeAttention *args, int *failed) {
     const Bf16Job job = {args->q, args->k_cache, args->v_cache, args->block_tables,
                          args->seq_lens, args->out, args->q_stride, args->max_blocks,
                          args->num_q_heads, args->num_kv_heads, args->block_size, args->scale};
-    const size_t heads = (size_t)args->num_q_heads;
-    float *buffer = malloc(sizeof(float) * heads * ((size_t)longest + 2 + (size_t)args->head_dim));
-    Scratch scratch = {buffer, buffer + heads * longest, buffer + heads * (longest + 1),
-                       buffer + heads * (longest + 2)};
+    const int amx = use_amx_scores(args);
+    Scratch scratch;
+    void *buffer = make_scratch(args, longest, amx, &scratch);
     if (buffer == NULL) {
 #pragma omp atomic write
         *failed = 1;
@@ -338,8 +393,14 @@ void decode_attention_bf16_team(const DecodeAttention *args, int *failed) {
     int begin, end;
     split_by_tokens(args->seq_lens, args->num_seqs, omp_get_thread_num(), omp_get_num_threads(),
                     &begin, &end);
+#ifdef AMX_SCORES
+    if (amx) configure_score_tiles();
+#endif
     for (int seq = begin; buffer != NULL && seq < end; seq++)
         attend(&job, seq, seq + 1 < end ? seq + 1 : -1, &scratch);
+#ifdef AMX_SCORES
+    if (amx) _tile_release();
+#endif
     free(buffer);
 #pragma omp barrier
 }

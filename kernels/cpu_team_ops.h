@@ -15,7 +15,9 @@ void silu_mul_team(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
 void rope_team(const uint16_t *x, int64_t row_stride, const uint16_t *cos_sin, uint16_t *out,
                int64_t tokens, int64_t heads, int64_t head_dim);
 
-/* cpu_gemm_amx.c: x must have whole 16-row blocks readable. */
+/* cpu_gemm_amx.c: x must have whole 16-row blocks readable. amx_available: the CPU has AMX
+ * and Linux granted this process the tile state. */
+int amx_available(void);
 int amx_linear_supported(int64_t m, int64_t n, int64_t k);
 void amx_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                      const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k);

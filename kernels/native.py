@@ -27,7 +27,7 @@ SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_decode_attention.c", "cpu_decode_attention_bf16.c", "cpu_fused_ops.c",
                         "cpu_store_kv.c", "cpu_gemm_amx.c", "cpu_decode_step.c")]
 HEADERS = [Path(__file__).with_name(name)  # part of the cache key
-           for name in ("cpu_decode_shapes.h", "cpu_team_ops.h")]
+           for name in ("cpu_decode_shapes.h", "cpu_team_ops.h", "cpu_decode_scores_amx.h")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
     "paged_decode_attention": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +
