@@ -25,7 +25,8 @@ import torch
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_decode_attention.c", "cpu_decode_attention_bf16.c", "cpu_fused_ops.c",
-                        "cpu_store_kv.c", "cpu_gemm_amx.c", "cpu_decode_step.c")]
+                        "cpu_store_kv.c", "cpu_gemm_amx.c", "cpu_decode_step.c",
+                        "cpu_prefill_attention_amx.c")]
 HEADERS = [Path(__file__).with_name(name)  # part of the cache key
            for name in ("cpu_decode_shapes.h", "cpu_team_ops.h", "cpu_decode_scores_amx.h")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
@@ -43,6 +44,9 @@ _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
     "add_rms_norm_bf16": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float,
                                                                         ctypes.c_int],
     "silu_mul_bf16": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int],
+    "prefill_attention_bf16": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +
+                              [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int] * 4 +
+                              [ctypes.c_float, ctypes.c_int],
     "decode_layers_bf16": [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_int],
     "rope_bf16": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] +
@@ -140,6 +144,31 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads,
         k_cache.shape[2], head_dim, k_cache.shape[1], scale,
         int(query.dtype == torch.bfloat16), torch.get_num_threads())
+    return status == 0
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      blocks: torch.Tensor, context_len: int, scale: float,
+                      out: torch.Tensor) -> bool:
+    """Causal attention of one prefill chunk (AMX, bf16): query [q_len, H_q, D] rows at the last
+    q_len positions of a context of context_len tokens whose K/V are in the cache blocks
+    `blocks` (int64); writes contiguous `out` [q_len, H_q, D]. False (nothing written) where
+    it does not apply (no AMX, other dtypes or head sizes)."""
+    library = load()
+    if library is None or query.dtype != torch.bfloat16 or not _rows_strided(query):
+        return False
+    if not (_bf16_cpu(k_cache, v_cache, out) and out.shape == query.shape and k_cache.dim() == 4
+            and k_cache.shape == v_cache.shape and blocks.dtype == torch.int64
+            and blocks.is_contiguous() and blocks.is_cpu and query.is_cpu):
+        return False
+    q_len, num_q_heads, head_dim = query.shape
+    block_size = k_cache.shape[1]
+    if not 0 < q_len <= context_len <= blocks.numel() * block_size:
+        return False
+    status = library.prefill_attention_bf16(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        blocks.data_ptr(), context_len, q_len, out.data_ptr(), num_q_heads, k_cache.shape[2],
+        head_dim, block_size, scale, torch.get_num_threads())
     return status == 0
 
 

@@ -1,8 +1,10 @@
-"""Fast CPU paged-KV kernels: block gather + scaled_dot_product_attention.
+"""Fast CPU paged-KV kernels: the C kernels where they apply, else block gather + SDPA.
 
-Measured on this CPU (DESIGN.md): index_select + SDPA(enable_gqa=True) is fast, while
-repeat_interleave for GQA is 10x slower. All decodes go through one padded SDPA call;
-each prefill chunk gets one call with a causal mask shifted by its cached context.
+Decodes: native.decode_attention reads K/V in place through the tables (float32 and bf16);
+bf16 prefill chunks: native.prefill_attention (AMX flash attention). Otherwise, measured on
+this CPU (DESIGN.md): index_select + SDPA(enable_gqa=True) is fast, while repeat_interleave
+for GQA is 10x slower. All decodes go through one padded SDPA call; each prefill chunk gets
+one call with a causal mask shifted by its cached context.
 Computation stays in the input dtype (SDPA accumulates in float32 internally).
 """
 from __future__ import annotations
@@ -65,7 +67,11 @@ def paged_attention(
     if plan.decode is not None:
         _attend_decodes(query, k_cache, v_cache, plan, scale, out)
     for chunk in plan.prefills:
-        out[chunk.begin:chunk.end] = _attend_prefill(query, k_cache, v_cache, chunk, plan, scale)
+        rows = out[chunk.begin:chunk.end]
+        # AMX flash attention where the CPU has it (bf16); SDPA over gathered blocks otherwise.
+        if not native.prefill_attention(query[chunk.begin:chunk.end], k_cache, v_cache,
+                                        chunk.blocks, chunk.context_len, scale, rows):
+            rows.copy_(_attend_prefill(query, k_cache, v_cache, chunk, plan, scale))
     return out
 
 

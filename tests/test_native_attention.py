@@ -110,3 +110,55 @@ def test_failed_compile_warns_in_one_line_and_falls_back(monkeypatch, tmp_path):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     finally:
         native.load.cache_clear()
+
+
+def _prefill_supported() -> bool:
+    q = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 16, 1, 64, dtype=torch.bfloat16)
+    return native.prefill_attention(q, cache, cache, torch.zeros(1, dtype=torch.int64), 1, 1.0,
+                                    torch.empty_like(q))
+
+
+needs_amx_prefill = pytest.mark.skipif(not _prefill_supported(),
+                                       reason="no AMX prefill attention here")
+
+
+@needs_amx_prefill
+@pytest.mark.parametrize("q_len,context_len", [(1, 1), (5, 5), (33, 33), (100, 300), (17, 50),
+                                               (300, 300), (64, 64)])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16), (4, 4, 128, 32), (8, 2, 128, 8), (12, 3, 64, 16)])
+def test_native_prefill_matches_reference(q_len, context_len, q_heads, kv_heads, head_dim,
+                                          block_size):
+    # A chunk of q_len queries at the end of its context (context_len > q_len: cached prefix),
+    # blocks out of order, the query a row-strided view of a wider QKV row.
+    gen = torch.Generator().manual_seed(q_len * 1000 + context_len)
+    num_blocks = -(-context_len // block_size)
+    k_cache = torch.randn(num_blocks + 4, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(num_blocks + 4, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    blocks = torch.randperm(num_blocks + 4, generator=gen)[:num_blocks]
+    qkv = torch.randn(q_len, q_heads + 2 * kv_heads, head_dim, generator=gen).bfloat16()
+    query = qkv[:, :q_heads]
+    out = torch.full((q_len, q_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    assert native.prefill_attention(query, k_cache, v_cache, blocks, context_len, scale, out)
+    expected = reference.paged_attention(
+        query.float().contiguous(), k_cache.float(), v_cache.float(), blocks[None].int(),
+        torch.tensor([context_len], dtype=torch.int32),
+        torch.tensor([0, q_len], dtype=torch.int32), scale)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_amx_prefill
+def test_native_prefill_declines_what_it_does_not_cover():
+    q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16)
+    blocks = torch.zeros(1, dtype=torch.int64)
+    out = torch.empty_like(q)
+    assert not native.prefill_attention(q.float(), cache.float(), cache.float(), blocks, 4, 1.0,
+                                        out.float())  # float32: SDPA
+    assert not native.prefill_attention(q, cache, cache, blocks, 17, 1.0, out)  # past the table
+    assert not native.prefill_attention(q, cache, cache, blocks, 3, 1.0, out)  # q_len > context
+    small = torch.zeros(4, 2, 32, dtype=torch.bfloat16)
+    assert not native.prefill_attention(small, cache[..., :32], cache[..., :32], blocks, 4, 1.0,
+                                        torch.empty_like(small))  # head_dim 32
