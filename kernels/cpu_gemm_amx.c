@@ -130,19 +130,34 @@ ALWAYS_INLINE void column_block(const uint16_t *x, int64_t x_stride_bytes, int64
     if (ROW_BLOCKS > 3) _tile_stored(3, acc[3], 64);
 }
 
-/* 16 sums (+ bias, added in float32 before the one rounding, as oneDNN does) -> bf16. */
-ALWAYS_INLINE void store16(const float *sums, const uint16_t *bias, uint16_t *out) {
+/* The [m, n] output: bf16, or float32 holding the same bf16-rounded values (the LM head's
+ * logits, which the sampler wants in float32: one pass over them less). */
+typedef struct {
+    void *data;
+    int64_t n;
+    int f32;
+} Out;
+
+/* 16 sums (+ bias, added in float32 before the one rounding, as oneDNN does) -> bf16, into
+ * row `row`, columns col..col+15 of out. */
+ALWAYS_INLINE void store16(const float *sums, const uint16_t *bias, Out out, int64_t row,
+                           int64_t col) {
     __m512 v = _mm512_loadu_ps(sums);
     if (bias) {
         __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias));
         v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
     }
-    _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v));
+    __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v);
+    if (out.f32)
+        _mm512_storeu_si512((float *)out.data + row * out.n + col,
+                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+    else
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out.data + row * out.n + col), rounded);
 }
 
-static void store_rows(float (*acc)[16][16], int64_t rows, const uint16_t *bias, uint16_t *out,
-                       int64_t n) {
-    for (int64_t r = 0; r < rows; r++) store16(acc[r / 16][r % 16], bias, out + r * n);
+static void store_rows(float (*acc)[16][16], int64_t rows, const uint16_t *bias, Out out,
+                       int64_t col) {
+    for (int64_t r = 0; r < rows; r++) store16(acc[r / 16][r % 16], bias, out, r, col);
 }
 
 /* Two blocks of 16 output columns for one or two row blocks: each x tile feeds two products
@@ -182,19 +197,20 @@ ALWAYS_INLINE void column_pair(const uint16_t *x, int64_t x_stride_bytes, int64_
     }
 }
 
-/* Rows [0, rows) of a column pair's sums (acc[2 * row block + column block]) into out. */
-static void store_pair_rows(float (*acc)[16][16], int64_t rows, const uint16_t *bias,
-                            uint16_t *out, int64_t n) {
+/* Rows [0, rows) of a column pair's sums (acc[2 * row block + column block]) into out from
+ * row `row`, column `col`. */
+static void store_pair_rows(float (*acc)[16][16], int64_t rows, const uint16_t *bias, Out out,
+                            int64_t row, int64_t col) {
     for (int64_t r = 0; r < rows; r++)
         for (int c = 0; c < 2; c++)
-            store16(acc[2 * (r / 16) + c][r % 16], bias ? bias + 16 * c : NULL,
-                    out + r * n + 16 * c);
+            store16(acc[2 * (r / 16) + c][r % 16], bias ? bias + 16 * c : NULL, out, row + r,
+                    col + 16 * c);
 }
 
 /* M > 16: column pairs, row blocks two at a time (the pair's panels stay in L2 between). */
 static void linear_pairs(const uint16_t *x, int64_t stride_bytes, const uint16_t *packed,
-                         const uint16_t *bias, uint16_t *out, int64_t m, int64_t n,
-                         int64_t kblocks, int row_blocks, int64_t first_pair, int64_t last_pair) {
+                         const uint16_t *bias, Out out, int64_t m, int64_t kblocks,
+                         int row_blocks, int64_t first_pair, int64_t last_pair) {
     float acc[4][16][16];
     const int64_t pair_elems = 2 * kblocks * TILE_ELEMS, x_block = 16 * stride_bytes / 2;
     for (int64_t cp = first_pair; cp < last_pair; cp++) {
@@ -207,8 +223,7 @@ static void linear_pairs(const uint16_t *x, int64_t stride_bytes, const uint16_t
             else
                 column_pair(xr, stride_bytes, kblocks, panels, rb == 0 ? next : NULL, acc, 1);
             int64_t rows = m - 16 * rb < 32 ? m - 16 * rb : 32;
-            store_pair_rows(acc, rows, bias ? bias + cp * 32 : NULL,
-                            out + 16 * rb * n + cp * 32, n);
+            store_pair_rows(acc, rows, bias ? bias + cp * 32 : NULL, out, 16 * rb, cp * 32);
         }
     }
 }
@@ -223,15 +238,16 @@ int amx_linear_supported(int64_t m, int64_t n, int64_t k) {
 /* This thread's share (thread `me` of `threads`) of the output columns. x has whole 16-row
  * blocks readable (rows past m are read and their sums dropped). */
 static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
-                         const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k,
-                         int me, int threads) {
+                         const uint16_t *bias, Out out, int64_t m, int64_t k, int me,
+                         int threads) {
+    const int64_t n = out.n;
     const int64_t kblocks = k / 32, column_blocks = n / 16, stride_bytes = x_stride * 2;
     const int row_blocks = (int)((m + 15) / 16);
     float acc[MAX_ROW_BLOCKS][16][16];
     configure_tiles();
     if (column_blocks % 2 == 0) {
         int64_t pairs = column_blocks / 2;
-        linear_pairs(x, stride_bytes, packed, bias, out, m, n, kblocks, row_blocks,
+        linear_pairs(x, stride_bytes, packed, bias, out, m, kblocks, row_blocks,
                      pairs * me / threads, pairs * (me + 1) / threads);
     } else {
         int64_t first = column_blocks * me / threads, last = column_blocks * (me + 1) / threads;
@@ -244,7 +260,7 @@ static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *pa
             case 3: column_block(x, stride_bytes, kblocks, panel, next, acc, 3); break;
             default: column_block(x, stride_bytes, kblocks, panel, next, acc, 4); break;
             }
-            store_rows(acc, m, bias ? bias + cb * 16 : NULL, out + cb * 16, n);
+            store_rows(acc, m, bias ? bias + cb * 16 : NULL, out, cb * 16);
         }
     }
     _tile_release();
@@ -254,16 +270,18 @@ static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *pa
  * in a barrier. The caller checked amx_linear_supported and gives x whole 16-row blocks. */
 void amx_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                      const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k) {
-    linear_share(x, x_stride, packed, bias, out, m, n, k, omp_get_thread_num(),
+    const Out rows = {out, n, 0};
+    linear_share(x, x_stride, packed, bias, rows, m, k, omp_get_thread_num(),
                  omp_get_num_threads());
 #pragma omp barrier
 }
 
 /* x: [m, k] bf16 rows x_stride elements apart; packed: amx_pack_weight of W [n, k]; bias: [n]
- * bf16 or NULL; out: contiguous [m, n] bf16. Returns 1 (nothing written) when unsupported. */
+ * bf16 or NULL; out: contiguous [m, n], bf16, or with out_f32 float32 (the bf16-rounded values
+ * widened). Returns 1 (nothing written) when unsupported. */
 int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
-                    const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k,
-                    int num_threads) {
+                    const uint16_t *bias, void *out, int64_t m, int64_t n, int64_t k,
+                    int out_f32, int num_threads) {
     if (!amx_linear_supported(m, n, k)) return 1;
     /* Tile loads read whole 16-row blocks: copy x into a zero-padded buffer when m is not a
      * multiple of 16 (a few KB: the rows of one decode step). */
@@ -274,8 +292,9 @@ int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
         for (int64_t r = 0; r < m; r++) memcpy(padded + r * k, x + r * x_stride, (size_t)k * 2);
         x = padded, x_stride = k;
     }
+    const Out rows = {out, n, out_f32};
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
-    linear_share(x, x_stride, packed, bias, out, m, n, k, omp_get_thread_num(),
+    linear_share(x, x_stride, packed, bias, rows, m, k, omp_get_thread_num(),
                  omp_get_num_threads());
     free(padded);
     return 0;
@@ -289,8 +308,8 @@ void amx_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed
                      const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k) {}
 int amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) { return 1; }
 int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
-                    const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k,
-                    int num_threads) {
+                    const uint16_t *bias, void *out, int64_t m, int64_t n, int64_t k,
+                    int out_f32, int num_threads) {
     return 1;
 }
 

@@ -40,7 +40,7 @@ _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
     "amx_available": [],
     "amx_pack_weight": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p],
     "amx_linear_bf16": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +
-                       [ctypes.c_int64] * 3 + [ctypes.c_int],
+                       [ctypes.c_int64] * 3 + [ctypes.c_int] * 2,
     "add_rms_norm_bf16": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float,
                                                                         ctypes.c_int],
     "silu_mul_bf16": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int],
@@ -226,9 +226,11 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-               bias: torch.Tensor | None = None) -> torch.Tensor | None:
+               bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
     """x @ W.T (+ bias) for bf16 x [M, K] (rows may be strided) and W packed by amx_pack;
-    None (nothing computed) when the native path does not apply."""
+    None (nothing computed) when the native path does not apply. out_dtype float32 gives the
+    same bf16-rounded values widened (what `.float()` of the bf16 result would give)."""
     library = load()
     if library is None or x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_cpu:
         return None
@@ -237,10 +239,13 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
         return None
     if bias is not None and not (_bf16_cpu(bias) and bias.shape == (out_features,)):
         return None
-    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        return None
+    out = torch.empty(rows, out_features, dtype=out_dtype)
     status = library.amx_linear_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(),
                                      None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                     rows, out_features, k, torch.get_num_threads())
+                                     rows, out_features, k, int(out_dtype == torch.float32),
+                                     torch.get_num_threads())
     return out if status == 0 else None
 
 

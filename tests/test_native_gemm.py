@@ -72,3 +72,16 @@ def test_unpackable_weights_use_f_linear():
     assert torch.equal(linear(x, weight), F.linear(x, weight))
     if native.load() is not None:
         assert native.amx_pack(torch.randn(10, 64).to(torch.bfloat16)) is None  # 10 % 16 != 0
+
+
+@needs_amx
+@pytest.mark.parametrize("rows,out_features", [(5, 96), (64, 96), (40, 48)])
+def test_amx_linear_float32_output_is_the_bf16_result_widened(rows, out_features):
+    # The LM head asks for float32 logits: exactly .float() of the bf16 result, one pass.
+    x, weight = _case(rows, out_features, 64, seed=3)
+    bias = torch.randn(out_features).to(torch.bfloat16)
+    packed = native.amx_pack(weight)
+    as_bf16 = native.amx_linear(x, packed, out_features, bias)
+    as_f32 = native.amx_linear(x, packed, out_features, bias, out_dtype=torch.float32)
+    assert as_f32.dtype == torch.float32
+    assert torch.equal(as_f32, as_bf16.float())

@@ -58,3 +58,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 return out
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.data, bias, "none", [], "")
+
+
+def linear_float32(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None = None
+                   ) -> torch.Tensor:
+    """linear(x, weight, packed=packed).float(), in one pass where the AMX kernel applies
+    (the LM head: the sampler wants float32 logits; ~1.4 ms a decode step of 64 rows)."""
+    if packed is not None and packed.kind == "amx" and x.shape[0] <= AMX_MAX_ROWS:
+        out = native.amx_linear(x, packed.data, packed.out_features, out_dtype=torch.float32)
+        if out is not None:
+            return out
+    return linear(x, weight, packed=packed).float()

@@ -13,7 +13,7 @@ from pagedgen.model.attention import PagedSelfAttention, StepMetadata
 from pagedgen.model.config import ModelConfig
 from pagedgen.model.fused_decode import FusedDecode
 from pagedgen.model.layers import GatedMLP, RMSNorm, empty_parameter
-from pagedgen.model.linear import linear, pack_weight
+from pagedgen.model.linear import linear_float32, pack_weight
 from pagedgen.model.rope import rope_table
 
 
@@ -87,5 +87,6 @@ class LlamaDecoder(nn.Module):
         return hidden if pending is None else hidden.add_(pending)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, vocab] of the given rows only (the norm is per row, so select first)."""
-        return linear(self.norm(hidden), self.lm_head_weight, packed=self.lm_head_packed)
+        """float32 logits [rows, vocab] of the given rows only (the norm is per row, so select
+        first), computed in the model's dtype and rounded to it, as transformers does."""
+        return linear_float32(self.norm(hidden), self.lm_head_weight, self.lm_head_packed)

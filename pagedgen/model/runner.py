@@ -53,7 +53,7 @@ class ModelRunner:
         step = self._step_metadata(flat)
         hidden = self.model(flat.input_ids.to(self.device), step, self.kv_cache)
         rows = flat.sample_rows.to(self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows)).float()
+        return self.model.compute_logits(hidden.index_select(0, rows))
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
