@@ -72,3 +72,23 @@ def test_fused_decode_can_be_switched_off(monkeypatch):
     loaded = load_model(str(tiny_model_dir("llama")), dtype=torch.bfloat16, device="cpu")
     ModelRunner(loaded, BLOCK_SIZE, num_blocks=8)
     assert loaded.model.fused_decode is None
+
+
+def test_engine_outputs_do_not_depend_on_the_fused_step(monkeypatch):
+    # The whole engine on the default model in bf16: sampling with n=3 (shared prompt blocks,
+    # copy-on-write) and a pool small enough to preempt; same seeds -> same texts either way.
+    from pagedgen import LLM, SamplingParams
+
+    if _runner(None).model.fused_decode is None:
+        pytest.skip("no fused decode here")
+    prompts = ["The capital of France is", "def add(a, b):", "List three colors:"]
+    params = SamplingParams(n=3, temperature=0.8, top_p=0.95, max_tokens=32, seed=7)
+    texts, preemptions = {}, {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("PAGEDGEN_FUSED_DECODE", fused)
+        llm = LLM(threads=2, dtype="bfloat16", num_blocks=11, block_size=16)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        texts[fused] = [[sample.text for sample in out.outputs] for out in outputs]
+        preemptions[fused] = llm.memory_report()["summary"]["preemptions"]
+    assert preemptions["1"] > 0
+    assert texts["1"] == texts["0"]
