@@ -35,6 +35,8 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+
+#include "cpu_x86_common.h"
 #include <omp.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -175,25 +177,6 @@ ALWAYS_INLINE void score_keys(const Bf16Job *job, const int64_t *table, int64_t 
             }
         }
     }
-}
-
-/* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2,
- * p the degree-6 Taylor polynomial (relative error ~1e-7). Written out because libm's scalar
- * expf, which the compiler called here for most of the lanes, cost more than the dot products. */
-ALWAYS_INLINE __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f)); /* below: 0 after scaling anyway */
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2, split in two */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* scores[h] <- exp(scores[h] - max); returns 1 / sum per head in inv_sum[h]. */
@@ -394,7 +377,7 @@ void decode_attention_bf16_team(const DecodeAttention *args, int *failed) {
     split_by_tokens(args->seq_lens, args->num_seqs, omp_get_thread_num(), omp_get_num_threads(),
                     &begin, &end);
 #ifdef AMX_SCORES
-    if (amx) configure_score_tiles();
+    if (amx) configure_full_tiles();
 #endif
     for (int seq = begin; buffer != NULL && seq < end; seq++)
         attend(&job, seq, seq + 1 < end ? seq + 1 : -1, &scratch);

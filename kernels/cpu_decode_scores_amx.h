@@ -1,5 +1,5 @@
 /* The AMX score path of cpu_decode_attention_bf16.c, included by it where the build has AMX
- * (it uses that file's Bf16Job, block_rows, the prefetch helpers and exp_nonpositive).
+ * (it uses that file's Bf16Job, block_rows and prefetch helpers; cpu_x86_common.h).
  *
  * Scores on the AMX tile unit: for 16 keys at a time, S^T[16 keys][16 columns] = K . Q^T, one
  * product per (kv head, 32 dims), with K's rows loaded straight from the cache as the left
@@ -9,24 +9,6 @@
  */
 #define AMX_SCORES 1
 #define TILE_WORDS 256 /* 16 rows x 16 pairs of bf16 */
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Tile 0: the scores; 1, 3: K rows; 2, 4: Q^T (two products in flight). */
-static void configure_score_tiles(void) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette_id = 1;
-    for (int t = 0; t < 5; t++) {
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
 
 /* Q^T tile (kv, i), row r, column h (a query head of kv head `kv`): the pair
  * q[h][32 i + 2 r], q[h][32 i + 2 r + 1]. The other columns stay zero from the start. */
@@ -44,6 +26,7 @@ ALWAYS_INLINE void pack_query_tiles(const Bf16Job *job, const uint16_t *q, uint3
         }
 }
 
+/* Tile 0: the scores; 1, 3: K rows; 2, 4: Q^T (two products in flight). */
 #define SCORE_PRODUCT(A, B, P)                                                           \
     do {                                                                                 \
         _tile_loadd(A, chunk + ((P) / NV) * DIM + 32 * ((P) % NV), row_bytes);           \

@@ -18,6 +18,8 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
+
+#include "cpu_x86_common.h"
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -27,12 +29,6 @@
 #define MAX_ROW_BLOCKS 4              /* 4 x 16 rows: M <= 64 */
 #define ARCH_REQ_XCOMP_PERM 0x1023    /* Linux: ask for the AMX tile state */
 #define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
 
 /* Linux grants the 8 KB tile state per process on request; 1 = granted. */
 static int amx_permitted(void) {
@@ -60,17 +56,8 @@ int amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
     return 0;
 }
 
-/* Tiles 0-3: accumulators of row blocks 0-3; 4 and 6: x row blocks; 5 and 7: weight tiles. */
-static void configure_tiles(void) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
+/* Tile use (configure_full_tiles): 0-3 accumulators of row blocks 0-3; 4 and 6: x row blocks;
+ * 5 and 7: weight tiles. */
 
 ALWAYS_INLINE void prefetch_tile(const uint16_t *tile) {
     for (int line = 0; line < 16; line++)
@@ -244,7 +231,7 @@ static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *pa
     const int64_t kblocks = k / 32, column_blocks = n / 16, stride_bytes = x_stride * 2;
     const int row_blocks = (int)((m + 15) / 16);
     float acc[MAX_ROW_BLOCKS][16][16];
-    configure_tiles();
+    configure_full_tiles();
     if (column_blocks % 2 == 0) {
         int64_t pairs = column_blocks / 2;
         linear_pairs(x, stride_bytes, packed, bias, out, m, kblocks, row_blocks,

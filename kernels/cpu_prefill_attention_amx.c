@@ -25,29 +25,15 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include "cpu_x86_common.h"
+
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define TILE_ELEMS 512 /* 16 rows x 64 bytes of bf16 */
 #define KEYS 32        /* keys per step: two score tiles, one P tile */
 #define MAX_DIM 128
 
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Tiles 0, 1: scores of keys 0-15 and 16-31, then with 2 and 3 the P V products of 4 x 16
- * dims; 4: Q (per 32 dims) or P; 5, 6: K^T or V. All 16 x 64 bytes. */
-static void configure_tiles(void) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
+/* Tile use (configure_full_tiles): 0, 1 the scores of keys 0-15 and 16-31, then with 2 and 3
+ * the P V products of 4 x 16 dims; 4: Q (per 32 dims) or P; 5, 6: K^T or V. */
 
 typedef struct {
     const uint16_t *q, *k_cache, *v_cache;
@@ -112,23 +98,6 @@ static void pack_values(const Chunk *c, int kv, int64_t j) {
             }
         }
     }
-}
-
-/* exp(x) for x <= 0: as exp_nonpositive in cpu_decode_attention_bf16.c. */
-ALWAYS_INLINE __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* Running state of 16 query rows: output sums, row maxima (raw scores) and the sums of p
@@ -286,7 +255,7 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
             pack_keys(&c, (int)(item / c.key_blocks), item % c.key_blocks);
             pack_values(&c, (int)(item / c.key_blocks), item % c.key_blocks);
         }
-        configure_tiles();
+        configure_full_tiles();
         RowState *state = aligned_alloc(64, sizeof(RowState));
         /* the last query rows see the most keys: hand them out first */
 #pragma omp for schedule(dynamic, 1)

@@ -1,0 +1,51 @@
+/* Small x86 helpers shared by the C kernels: the AMX tile configuration they all use and a
+ * vectorised exp. Include after <immintrin.h>, inside the feature guards of the includer. */
+#ifndef PAGEDGEN_CPU_X86_COMMON_H
+#define PAGEDGEN_CPU_X86_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__)
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Every kernel here uses full tiles: all 8 as 16 rows x 64 bytes (palette 1). Per thread,
+ * before its first tile instruction; _tile_release() when done. */
+static inline void configure_full_tiles(void) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+#endif
+
+#if defined(__AVX512F__)
+/* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2,
+ * p the degree-6 Taylor polynomial (relative error ~1e-7). Written out because libm's scalar
+ * expf, which the compiler called for most of the lanes, cost more than the dot products. */
+static inline __attribute__((always_inline)) __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f)); /* below: 0 after scaling anyway */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2, split in two */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#endif
