@@ -35,9 +35,9 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+#include <omp.h>
 
 #include "cpu_x86_common.h"
-#include <omp.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define CHUNK 16 /* scores summed per transpose-add tree: one per float32 lane */
