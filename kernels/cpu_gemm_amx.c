@@ -59,9 +59,11 @@ int amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
 /* Tile use (configure_full_tiles): 0-3 accumulators of row blocks 0-3; 4 and 6: x row blocks;
  * 5 and 7: weight tiles. */
 
+/* Into L2 (T1), not L1: a panel ahead is up to ~36 KB, most of L1; measured 5-15% faster per
+ * GEMM at M = 16-64 (e.g. the LM head, 64 rows: 4.33 -> 3.71 ms). */
 ALWAYS_INLINE void prefetch_tile(const uint16_t *tile) {
     for (int line = 0; line < 16; line++)
-        _mm_prefetch((const char *)(tile + line * 32), _MM_HINT_T0);
+        _mm_prefetch((const char *)(tile + line * 32), _MM_HINT_T1);
 }
 
 /* acc[rb] += x rows of block rb, inputs of k block KB, times weight tile WT (x tiles 4 and 6
