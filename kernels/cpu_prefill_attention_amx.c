@@ -228,7 +228,8 @@ int prefill_attention_supported(int num_q_heads, int num_kv_heads, int head_dim)
            num_q_heads % num_kv_heads == 0 && amx_available();
 }
 
-/* Returns 0 when done, 1 when unsupported or out of memory (nothing written: use SDPA). */
+/* Returns 0 when done, 1 when unsupported or out of memory (then use SDPA, which writes every
+ * row of out again). */
 int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
                            const uint16_t *v_cache, const int64_t *table, int64_t context_len,
                            int64_t q_len, uint16_t *out, int num_q_heads, int num_kv_heads,
@@ -248,6 +249,7 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
         return 1;
     }
     const int64_t row_blocks = (q_len + 15) / 16, items = row_blocks * num_q_heads;
+    int failed = 0; /* a thread without its row state: rows left unwritten, so report it */
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
     {
 #pragma omp for schedule(static)
@@ -257,6 +259,10 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
         }
         configure_full_tiles();
         RowState *state = aligned_alloc(64, sizeof(RowState));
+        if (state == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
         /* the last query rows see the most keys: hand them out first */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++)
@@ -268,7 +274,7 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
     }
     free(c.k_tiles);
     free(c.v_tiles);
-    return 0;
+    return failed;
 }
 
 #else /* no AMX at build time: SDPA does it */
