@@ -75,8 +75,6 @@ class FusedDecode:
                 _address(layer.input_norm.weight), _address(layer.post_attention_norm.weight),
                 _address(packed[0].data), _address(attention.qkv_bias), _address(packed[1].data),
                 _address(attention.o_bias), _address(packed[2].data), _address(packed[3].data)))
-        if native.load() is None:  # (AMX packing implies it loaded; kept for clarity)
-            return None
         q_size, kv_size = config.q_size, config.kv_size
         widths = {"normed": config.hidden_size, "qkv": q_size + 2 * kv_size,
                   "qk_rotated": q_size + kv_size, "attended": q_size,
