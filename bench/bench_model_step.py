@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedgen.model.loader import load_model
-from pagedgen.model.runner import ModelRunner, ScheduledChunk
+from pagedgen.model.loading.loader import load_model
+from pagedgen.model.runtime.runner import ModelRunner, ScheduledChunk
 
 
 @dataclass(slots=True)

@@ -130,7 +130,7 @@ def convert_default_model(out_dir: Path = DEFAULT_GGUF_DIR, force: bool = False)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedgen.model.default_model import default_model_path
+    from pagedgen.model.loading.default_model import default_model_path
 
     gguf = default_model_path()  # raises with the install command when missing
     out_dir = Path(out_dir)

@@ -6,7 +6,7 @@
  * other thread has nothing to do. At batch 64 that was ~8 ms of a ~53 ms step (SmolLM2-135M,
  * 30 layers, 2 threads). Here the kernels run back to back, separated by barriers only.
  * The arithmetic is the same functions in the same order as the Python path
- * (pagedgen/model/llama.py with the native kernels), so the results are bit-identical.
+ * (pagedgen/model/layers/llama.py with the native kernels), so the results are bit-identical.
  */
 #include <stddef.h>
 #include <stdint.h>

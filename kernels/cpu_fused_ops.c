@@ -74,7 +74,7 @@ void silu_mul_team(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
 
 /* Rotary embedding, HF "rotate half" layout: for each head, with x = [x1 | x2],
  * out = [x1*cos - x2*sin | x2*cos + x1*sin], every product and sum rounded to bf16 as torch's
- * bf16 ops do (bit-identical to pagedgen.model.rope.apply_rope). x rows are `row_stride`
+ * bf16 ops do (bit-identical to pagedgen.model.layers.rope.apply_rope). x rows are `row_stride`
  * elements apart (a view into the fused QKV output); cos_sin is [T, 2, D/2]; out is
  * contiguous [T, heads, D]. */
 void rope_team(const uint16_t *x, int64_t row_stride, const uint16_t *cos_sin, uint16_t *out,

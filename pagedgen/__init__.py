@@ -13,9 +13,9 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "pagedgen.llm",
-    "SamplingParams": "pagedgen.sampling",
-    "RequestOutput": "pagedgen.outputs",
-    "CompletionOutput": "pagedgen.outputs",
+    "SamplingParams": "pagedgen.engine.sampling_params",
+    "RequestOutput": "pagedgen.engine.outputs",
+    "CompletionOutput": "pagedgen.engine.outputs",
 }
 
 __all__ = [*_LAZY, "__version__"]

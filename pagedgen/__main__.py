@@ -1,6 +1,6 @@
 """`python -m pagedgen ...`: the same command line as the `pagedgen` script."""
 
-from pagedgen.cli import app
+from pagedgen.cli.app import app
 
 if __name__ == "__main__":
     app(prog_name="pagedgen")

@@ -15,18 +15,18 @@ from typing import Any
 
 import torch
 
-from pagedgen.checks import require_int
+from pagedgen.validation import require_int
 from pagedgen.defaults import default_kv_memory
 from pagedgen.engine.engine import EngineConfig, LLMEngine
 from pagedgen.memory.report import build_report
 from pagedgen.memory.tracker import MemoryTracker
-from pagedgen.model.loader import load_model
-from pagedgen.model.runner import ModelRunner
-from pagedgen.outputs import RequestOutput
+from pagedgen.model.loading.loader import load_model
+from pagedgen.model.runtime.runner import ModelRunner
+from pagedgen.engine.outputs import RequestOutput
 from pagedgen.progress import GenerationProgress
 from pagedgen.prompts import (Conversation, Prompt, encode_chat, normalize_prompts,
                               normalize_sampling_params)
-from pagedgen.sampling import SamplingParams
+from pagedgen.engine.sampling_params import SamplingParams
 
 
 class LLM:

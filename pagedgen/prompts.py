@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from pagedgen.checks import is_int
-from pagedgen.sampling import SamplingParams
+from pagedgen.validation import is_int
+from pagedgen.engine.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
 Prompt = str | list[int] | dict[str, Any]

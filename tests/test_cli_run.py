@@ -12,8 +12,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import pagedgen.run_job as run_job
-from pagedgen.cli import app
+import pagedgen.cli.run_job as run_job
+from pagedgen.cli.app import app
 from tiny_models import tiny_hf_model, tiny_model_dir, tiny_tokenizer
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedgen.config import (ConfigError, RunConfig, load_config, parse_set_option, parse_size,
+from pagedgen.cli.config import (ConfigError, RunConfig, load_config, parse_set_option, parse_size,
                              read_yaml)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -3,8 +3,7 @@ import platform
 
 import pytest
 
-from pagedgen.model import cpu_malloc
-
+from pagedgen.model.runtime import cpu_malloc
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="needs glibc")
 
 

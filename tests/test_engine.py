@@ -9,7 +9,7 @@ import torch
 
 from pagedgen import LLM, SamplingParams
 from pagedgen.engine.engine import EngineConfig, LLMEngine
-from pagedgen.model.runner import ModelRunner
+from pagedgen.model.runtime.runner import ModelRunner
 from tiny_models import tiny_hf_model, tiny_loaded_model, tiny_model_dir
 
 MIXED_PROMPTS = [list(range(10 + 7 * i, 10 + 7 * i + n)) for i, n in enumerate([3, 17, 40, 64, 9, 30])]

@@ -1,4 +1,4 @@
-"""The one-call decode step (kernels/cpu_decode_step.c via pagedgen/model/fused_decode.py) gives
+"""The one-call decode step (kernels/cpu_decode_step.c via pagedgen/model/layers/fused_decode.py) gives
 bit-identical logits and KV cache to running the layers one module at a time, and steps it
 does not cover (prefill chunks) still run the layers."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 from pagedgen.kernels import native
 
-from pagedgen.model.loader import load_model
-from pagedgen.model.runner import ModelRunner, ScheduledChunk
+from pagedgen.model.loading.loader import load_model
+from pagedgen.model.runtime.runner import ModelRunner, ScheduledChunk
 from tiny_models import sequential_block_tables, tiny_model_dir
 
 BLOCK_SIZE = 8

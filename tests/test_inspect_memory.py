@@ -9,7 +9,7 @@ import random
 import pytest
 from typer.testing import CliRunner
 
-from pagedgen.cli import app
+from pagedgen.cli.app import app
 from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.memory.block_map import BlockState, build_pool_map, token_address
 from pagedgen.memory.inspect import inspect_report
@@ -101,7 +101,7 @@ def write_header_only_gguf(path, sliding_window: int | None = None) -> None:
 
 
 def test_gguf_shape_comes_from_the_loaders_config(tmp_path):
-    from pagedgen.model.gguf_loader import gguf_model_config, open_gguf
+    from pagedgen.model.loading.gguf_loader import gguf_model_config, open_gguf
 
     path = tmp_path / "m.gguf"
     write_header_only_gguf(path)
@@ -130,7 +130,7 @@ def test_sliding_window_caps_the_length_for_gguf_and_config_json(tmp_path, smoll
 
 def test_without_a_size_inspect_memory_and_llm_pick_the_same_pool():
     from pagedgen import LLM
-    from pagedgen.config import RunConfig
+    from pagedgen.cli.config import RunConfig
     from pagedgen.defaults import DEFAULT_KV_MEMORY
     from pagedgen.memory.inspect import sizing_for_config
     from tiny_models import tiny_model_dir

@@ -13,16 +13,16 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter
 from gguf.quants import quantize
 
-from pagedgen.model import default_model
-from pagedgen.model.batch import ScheduledChunk
+from pagedgen.model.loading import default_model
+from pagedgen.model.runtime.batch import ScheduledChunk
 from pagedgen.model.config import ModelConfig, UnsupportedModelError
 from pagedgen.model.dtypes import resolve_dtype
-from pagedgen.model.gguf_file import read_gguf
-from pagedgen.model.gguf_loader import (dequantize_tensor, gguf_model_config, iter_gguf_tensors,
+from pagedgen.model.loading.gguf_file import read_gguf
+from pagedgen.model.loading.gguf_loader import (dequantize_tensor, gguf_model_config, iter_gguf_tensors,
                                         unpermute_qk)
-from pagedgen.model.loader import build_decoder, load_model
-from pagedgen.model.runner import ModelRunner
-from pagedgen.model.weights import WeightLoadError
+from pagedgen.model.loading.loader import build_decoder, load_model
+from pagedgen.model.runtime.runner import ModelRunner
+from pagedgen.model.loading.weights import WeightLoadError
 from tiny_models import hf_config, tiny_hf_model, tiny_loaded_model, tiny_model_dir
 
 BASE = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=96,

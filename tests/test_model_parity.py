@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from pagedgen.model.runner import ModelRunner, ScheduledChunk
+from pagedgen.model.runtime.runner import ModelRunner, ScheduledChunk
 from tiny_models import ARCHITECTURES, sequential_block_tables, tiny_hf_model, tiny_loaded_model
 
 NEW_TOKENS = 10
@@ -158,8 +158,8 @@ def default_pair():
     """(pagedgen's LoadedModel, transformers' model + tokenizer) of the same GGUF file, float32."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pagedgen.model.default_model import default_model_path
-    from pagedgen.model.loader import load_model
+    from pagedgen.model.loading.default_model import default_model_path
+    from pagedgen.model.loading.loader import load_model
 
     path = default_model_path()
     hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,

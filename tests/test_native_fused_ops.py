@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedgen.kernels import native
-from pagedgen.model.layers import RMSNorm, rms_norm
+from pagedgen.model.layers.norm_mlp import RMSNorm, rms_norm
 
 needs_native = pytest.mark.skipif(native.load() is None, reason="no C compiler here")
 
@@ -59,8 +59,7 @@ def test_rms_norm_module_adds_the_residual_on_every_path():
 @needs_native
 @pytest.mark.parametrize("heads,head_dim", [(12, 64), (5, 16)])
 def test_rope_matches_torch_bit_for_bit_on_a_strided_view(heads, head_dim):
-    from pagedgen.model import rope
-
+    from pagedgen.model.layers import rope
     tokens = 9
     fused_qkv = _bf16(tokens, heads * head_dim + 40)  # rows wider than the q/k part
     x = fused_qkv[:, :heads * head_dim].view(tokens, heads, head_dim)

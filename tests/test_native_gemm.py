@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedgen.kernels import native
-from pagedgen.model.linear import AMX_MAX_ROWS, linear, pack_weight
+from pagedgen.model.layers.linear import AMX_MAX_ROWS, linear, pack_weight
 
 has_amx = native.load() is not None and bool(native.load().amx_available())
 needs_amx = pytest.mark.skipif(not has_amx, reason="no AMX on this CPU (or no C compiler)")

@@ -5,11 +5,11 @@ import os
 
 import pytest
 
-from pagedgen import openai_batch
-from pagedgen.output_writer import (JsonlAppender, OutputFileError, RequestResult, SampleResult,
+from pagedgen.cli import openai_batch
+from pagedgen.cli.output_files import (JsonlAppender, OutputFileError, RequestResult, SampleResult,
                                     TokenLogprob, completed_keys, error_record, result_record,
                                     truncate_partial_line, write_atomically, write_ordered)
-from pagedgen.requests import Request, RequestError
+from pagedgen.cli.input_records import Request, RequestError
 
 
 def result(request, text="hi", token_ids=(5, 6), logprobs=None):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from pagedgen.cli import app
-from pagedgen.profiling import PhaseTimer, TimedOps, parse_range, synthetic_workload
+from pagedgen.cli.app import app
+from pagedgen.cli.profile import PhaseTimer, TimedOps, parse_range, synthetic_workload
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedgen import openai_batch
-from pagedgen.requests import Request, RequestError, parse_line, read_requests, validate_sampling_fields
-from pagedgen.sampling import SamplingParams
+from pagedgen.cli import openai_batch
+from pagedgen.cli.input_records import Request, RequestError, parse_line, read_requests, validate_sampling_fields
+from pagedgen.engine.sampling_params import SamplingParams
 
 
 def parse(obj, defaults=None, line=1):

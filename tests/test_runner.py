@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedgen.model import kv_cache as kv
-from pagedgen.model.batch import build_flat_batch
-from pagedgen.model.runner import ModelRunner, ScheduledChunk
+from pagedgen.model.runtime import kv_cache as kv
+from pagedgen.model.runtime.batch import build_flat_batch
+from pagedgen.model.runtime.runner import ModelRunner, ScheduledChunk
 from tiny_models import tiny_loaded_model
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from pagedgen.sampler import Sampler, apply_penalties, build_batch
-from pagedgen.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from pagedgen.engine.sampler import Sampler, apply_penalties, build_batch
+from pagedgen.engine.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 
 
 @dataclass
@@ -206,7 +206,7 @@ def test_rank_of_a_sampled_unlikely_token():
 
 def reference_support(logits: torch.Tensor, params: SamplingParams) -> set[int]:
     """Tokens with non-zero probability under vLLM's sort-based filters (one row)."""
-    from pagedgen.sampler import apply_min_p, apply_top_k_top_p
+    from pagedgen.engine.sampler import apply_min_p, apply_top_k_top_p
 
     scaled = logits[None] / params.temperature
     scaled = apply_min_p(scaled, torch.tensor([params.min_p]))

@@ -9,8 +9,8 @@ import pytest
 from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.engine.scheduler import Scheduler, rejection_reason
 from pagedgen.engine.sequence import Sequence, SequenceGroup, SeqStatus
-from pagedgen.memory.seq_info import SeqMemInfo
-from pagedgen.sampling import SamplingParams
+from pagedgen.engine.seq_info import SeqMemInfo
+from pagedgen.engine.sampling_params import SamplingParams
 
 B = 4
 _ids = itertools.count()

@@ -144,7 +144,7 @@ def tiny_hf_model(arch: str = "llama", tied: bool = False, seed: int = 0,
 def tiny_loaded_model(arch: str = "llama", tied: bool = False, dtype: torch.dtype = torch.float32,
                       seed: int = 0, max_position_embeddings: int = MAX_POSITIONS):
     """pagedgen's LoadedModel of tiny_model_dir(...) on CPU. Shared: do not modify it."""
-    from pagedgen.model.loader import load_model
+    from pagedgen.model.loading.loader import load_model
 
     folder = tiny_model_dir(arch, tied, seed, max_position_embeddings)
     return load_model(str(folder), dtype=dtype, device="cpu")

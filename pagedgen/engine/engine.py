@@ -12,16 +12,16 @@ from typing import Any, Protocol
 
 import torch
 
-from pagedgen.checks import is_int, require_int
+from pagedgen.validation import is_int, require_int
 from pagedgen.engine.detokenizer import final_text
 from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.engine.scheduler import Scheduler, SchedulerOutput, check_step_budget, rejection_reason
 from pagedgen.engine.sequence import Sequence, SequenceGroup, SeqStatus, make_generator
 from pagedgen.engine.stop_checker import StopDecision, check_stop
-from pagedgen.memory.seq_info import SeqMemInfo
-from pagedgen.outputs import CompletionOutput, Logprob, RequestOutput, Usage
-from pagedgen.sampler import Sampler, SamplerOutput, build_batch
-from pagedgen.sampling import SamplingParams
+from pagedgen.engine.seq_info import SeqMemInfo
+from pagedgen.engine.outputs import CompletionOutput, Logprob, RequestOutput, Usage
+from pagedgen.engine.sampler import Sampler, SamplerOutput, build_batch
+from pagedgen.engine.sampling_params import SamplingParams
 
 
 class Runner(Protocol):

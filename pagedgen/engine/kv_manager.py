@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pagedgen.checks import require_int
+from pagedgen.validation import require_int
 
 from .block_hash import BlockHash, as_token_ids, iter_block_hashes
 from .block_pool import BlockPool

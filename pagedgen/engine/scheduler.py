@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.engine.sequence import Sequence, SeqStatus
-from pagedgen.model.batch import ScheduledChunk
-from pagedgen.sampling import SamplingParams
+from pagedgen.model.runtime.batch import ScheduledChunk
+from pagedgen.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from pagedgen.engine.detokenizer import IncrementalDetokenizer
-from pagedgen.memory.seq_info import SeqMemInfo
-from pagedgen.outputs import Logprob
-from pagedgen.sampling import SamplingParams
+from pagedgen.engine.seq_info import SeqMemInfo
+from pagedgen.engine.outputs import Logprob
+from pagedgen.engine.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedgen.sampling import SamplingParams
+from pagedgen.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

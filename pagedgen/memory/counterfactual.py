@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagedgen.memory.arena import FirstFitArena
-from pagedgen.memory.seq_info import SeqMemInfo
+from pagedgen.engine.seq_info import SeqMemInfo
 
 POLICIES = ("static_max_model_len", "static_request", "dynamic_doubling")
 

@@ -42,7 +42,7 @@ def _budget(config: Any, device: str) -> tuple[int | None, str]:
     default = default_kv_memory(device_type)
     if default is not None:
         return default, f"default on {device_type}"
-    from pagedgen.model.kv_cache import DEFAULT_KV_MEMORY_FRACTION, available_memory_bytes
+    from pagedgen.model.runtime.kv_cache import DEFAULT_KV_MEMORY_FRACTION, available_memory_bytes
 
     fraction = DEFAULT_KV_MEMORY_FRACTION[device_type]
     free = available_memory_bytes(device)

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pagedgen.memory.seq_info import SeqMemInfo
+from pagedgen.engine.seq_info import SeqMemInfo
 from pagedgen.memory.tracker import MemoryTracker
 
 

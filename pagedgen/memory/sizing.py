@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedgen.checks import require_int
-from pagedgen.model.kv_cache import blocks_for_budget, dtype_bytes, kv_bytes_per_token
+from pagedgen.validation import require_int
+from pagedgen.model.runtime.kv_cache import blocks_for_budget, dtype_bytes, kv_bytes_per_token
 
 
 @dataclass(slots=True)
@@ -102,7 +102,7 @@ def read_model_shape(model: str | Path | None) -> ModelShape:
     Goes through the loader's own resolution and config parsing (model/source.py), so the
     shape and the usable length (sliding-window cap included) are the ones a run would use.
     """
-    from pagedgen.model.source import locate_model, read_model_config
+    from pagedgen.model.loading.source import locate_model, read_model_config
 
     source = locate_model(model)
     config = read_model_config(source)

@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedgen.checks import require_int
+from pagedgen.validation import require_int
 from pagedgen.memory.counterfactual import CounterfactualReplay
 from pagedgen.memory.sampled_series import SampledSeries
-from pagedgen.memory.seq_info import SeqMemInfo
+from pagedgen.engine.seq_info import SeqMemInfo
 
 if TYPE_CHECKING:
     from pagedgen.engine.kv_types import PoolSnapshot

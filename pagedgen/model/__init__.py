@@ -1,16 +1,16 @@
 """Model runtime: weight loading (HF safetensors folders, GGUF), the Llama-family decoder over
 a flat token batch, the paged KV cache and the runner (docs/contracts.md section 4).
 
-Names are imported lazily so that `pagedgen.model.kv_cache` (sizing arithmetic for
+Names are imported lazily so that `pagedgen.model.runtime.kv_cache` (sizing arithmetic for
 inspect-memory) does not pull in transformers.
 """
 
 _LAZY = {
-    "load_model": "pagedgen.model.loader",
-    "LoadedModel": "pagedgen.model.loader",
+    "load_model": "pagedgen.model.loading.loader",
+    "LoadedModel": "pagedgen.model.loading.loader",
     "ModelConfig": "pagedgen.model.config",
-    "ModelRunner": "pagedgen.model.runner",
-    "ScheduledChunk": "pagedgen.model.batch",
+    "ModelRunner": "pagedgen.model.runtime.runner",
+    "ScheduledChunk": "pagedgen.model.runtime.batch",
 }
 
 __all__ = list(_LAZY)

@@ -75,14 +75,14 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype | str) -> int:
         """Bytes of K and V one token occupies across all layers in a cache of `dtype`."""
-        from pagedgen.model.kv_cache import kv_bytes_per_token
+        from pagedgen.model.runtime.kv_cache import kv_bytes_per_token
 
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype)
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         """Build from a config.json mapping (transformers 4.x or 5.x spelling)."""
-        from pagedgen.model.hf_config import model_config_from_hf
+        from pagedgen.model.loading.hf_config import model_config_from_hf
 
         return model_config_from_hf(raw)
 

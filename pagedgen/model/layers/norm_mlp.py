@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedgen.kernels import native
-from pagedgen.model.linear import linear, pack_weight
+from pagedgen.model.layers.linear import linear, pack_weight
 
 
 def empty_parameter(*shape: int) -> nn.Parameter:

@@ -6,11 +6,11 @@ from types import ModuleType
 import torch
 
 from pagedgen.kernels import get_ops
-from pagedgen.model.attention import StepMetadata, build_step_metadata
-from pagedgen.model.batch import FlatBatch, ScheduledChunk, build_flat_batch
-from pagedgen.model.cpu_malloc import keep_freed_memory
-from pagedgen.model.kv_cache import allocate_kv_cache, resolve_num_blocks
-from pagedgen.model.loader import LoadedModel
+from pagedgen.model.layers.attention import StepMetadata, build_step_metadata
+from pagedgen.model.runtime.batch import FlatBatch, ScheduledChunk, build_flat_batch
+from pagedgen.model.runtime.cpu_malloc import keep_freed_memory
+from pagedgen.model.runtime.kv_cache import allocate_kv_cache, resolve_num_blocks
+from pagedgen.model.loading.loader import LoadedModel
 
 __all__ = ["ModelRunner", "ScheduledChunk"]
 

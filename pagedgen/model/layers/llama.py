@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedgen.model.attention import PagedSelfAttention, StepMetadata
+from pagedgen.model.layers.attention import PagedSelfAttention, StepMetadata
 from pagedgen.model.config import ModelConfig
-from pagedgen.model.fused_decode import FusedDecode
-from pagedgen.model.layers import GatedMLP, RMSNorm, empty_parameter
-from pagedgen.model.linear import linear_float32, pack_weight
-from pagedgen.model.rope import rope_table
+from pagedgen.model.layers.fused_decode import FusedDecode
+from pagedgen.model.layers.norm_mlp import GatedMLP, RMSNorm, empty_parameter
+from pagedgen.model.layers.linear import linear_float32, pack_weight
+from pagedgen.model.layers.rope import rope_table
 
 
 class DecoderLayer(nn.Module):

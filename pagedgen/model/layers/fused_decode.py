@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedgen.kernels import native, torch_ops
-from pagedgen.model.linear import AMX_MAX_ROWS
+from pagedgen.model.layers.linear import AMX_MAX_ROWS
 
 if TYPE_CHECKING:
-    from pagedgen.model.attention import StepMetadata
-    from pagedgen.model.llama import LlamaDecoder
+    from pagedgen.model.layers.attention import StepMetadata
+    from pagedgen.model.layers.llama import LlamaDecoder
 
 _ptr = ctypes.c_void_p
 

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from pagedgen.model.config import ModelConfig
-from pagedgen.model.layers import empty_parameter, rms_norm
-from pagedgen.model.linear import linear, pack_weight
-from pagedgen.model.rope import apply_rope
+from pagedgen.model.layers.norm_mlp import empty_parameter, rms_norm
+from pagedgen.model.layers.linear import linear, pack_weight
+from pagedgen.model.layers.rope import apply_rope
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from pagedgen.sampling import SamplingParams
+from pagedgen.engine.sampling_params import SamplingParams
 
 # Top tokens examined first. A top_p <= 0.95 nucleus of a trained LM almost always fits.
 CANDIDATES = 256

@@ -17,7 +17,7 @@ import torch
 from gguf.quants import dequantize
 
 from pagedgen.model.config import ModelConfig, UnsupportedModelError, usable_context
-from pagedgen.model.gguf_file import GgufFile, GgufTensor, read_gguf
+from pagedgen.model.loading.gguf_file import GgufFile, GgufTensor, read_gguf
 
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from pagedgen import openai_batch
-from pagedgen.requests import Request, RequestError
+from pagedgen.cli import openai_batch
+from pagedgen.cli.input_records import Request, RequestError
 
 
 class OutputFileError(ValueError):

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from pagedgen import openai_batch
-from pagedgen.checks import int_at_least, is_int
+from pagedgen.cli import openai_batch
+from pagedgen.validation import int_at_least, is_int
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 

@@ -116,7 +116,7 @@ def parse_range(text: str, name: str) -> tuple[int, int]:
 def synthetic_workload(num_requests: int, prompt_len: tuple[int, int], max_tokens: tuple[int, int],
                        seed: int, vocab_size: int) -> list[WorkItem]:
     """Random prompts of mixed lengths; ignore_eos so every request generates exactly max_tokens."""
-    from pagedgen.sampling import SamplingParams
+    from pagedgen.engine.sampling_params import SamplingParams
 
     if num_requests < 1:
         raise ValueError(f"--num-requests must be >= 1, got {num_requests}")
@@ -132,8 +132,8 @@ def synthetic_workload(num_requests: int, prompt_len: tuple[int, int], max_token
 
 def file_workload(path: str, llm: Any, sampling_defaults: dict[str, Any]) -> tuple[list[WorkItem], int]:
     """Requests of a JSONL file, tokenized for this model; (items, lines skipped as invalid)."""
-    from pagedgen.requests import Request, read_requests
-    from pagedgen.run_job import prepare
+    from pagedgen.cli.input_records import Request, read_requests
+    from pagedgen.cli.run_job import prepare
 
     items, skipped = [], 0
     for entry in read_requests(path, sampling_defaults):
@@ -151,7 +151,7 @@ def file_workload(path: str, llm: Any, sampling_defaults: dict[str, Any]) -> tup
 def warmup_workload(items: Sequence[WorkItem], vocab_size: int) -> list[WorkItem]:
     """A few short requests of fresh random tokens: they warm kernels without seeding the
     prefix cache with the measured prompts."""
-    from pagedgen.sampling import SamplingParams
+    from pagedgen.engine.sampling_params import SamplingParams
 
     rng = random.Random(-1)
     return [WorkItem(f"warmup-{i}", [rng.randrange(vocab_size) for _ in range(min(32, len(it.prompt_token_ids)))],

@@ -18,9 +18,9 @@ from typing import Any, Callable
 
 import yaml
 
-from pagedgen.checks import int_at_least, is_int
+from pagedgen.validation import int_at_least, is_int
 from pagedgen.defaults import DEFAULT_KV_MEMORY
-from pagedgen.requests import validate_sampling_fields
+from pagedgen.cli.input_records import validate_sampling_fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
-from pagedgen.model.llama import LlamaDecoder
+from pagedgen.model.layers.llama import LlamaDecoder
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints saved this buffer
 

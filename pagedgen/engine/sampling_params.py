@@ -1,7 +1,7 @@
 """Per-request sampling parameters (vLLM's offline `SamplingParams`, validated).
 
-The vectorized sampler that applies them lives in `pagedgen/sampler.py`; it is re-exported here
-so that `from pagedgen.sampling import Sampler` works as the contract says.
+The vectorized sampler that applies them lives in `pagedgen/engine/sampler.py`; it is re-exported here
+so that `from pagedgen.engine.sampling_params import Sampler` works as the contract says.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from pagedgen.checks import is_int
+from pagedgen.validation import is_int
 
 # vLLM defaults to 16 new tokens, which silently truncates almost every real answer. 256 is long
 # enough for a paragraph or a short chat reply, and short enough that a batch without explicit
@@ -139,7 +139,7 @@ def _normalize_stop_token_ids(ids: object) -> list[int]:
 def __getattr__(name: str):
     # Lazy, so that importing SamplingParams does not pull in torch.
     if name == "Sampler":
-        from pagedgen.sampler import Sampler
+        from pagedgen.engine.sampler import Sampler
 
         return Sampler
-    raise AttributeError(f"module 'pagedgen.sampling' has no attribute {name!r}")
+    raise AttributeError(f"module 'pagedgen.engine.sampling_params' has no attribute {name!r}")

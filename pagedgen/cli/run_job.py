@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, Any, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pagedgen.config import RunConfig
-from pagedgen.output_writer import (JsonlAppender, OutputFileError, RequestResult, SampleResult,
+from pagedgen.cli.config import RunConfig
+from pagedgen.cli.output_files import (JsonlAppender, OutputFileError, RequestResult, SampleResult,
                                     TokenLogprob, completed_keys, error_record, result_record,
                                     write_atomically, write_ordered)
 from pagedgen.prompts import encode_chat
-from pagedgen.requests import Request, RequestError, read_requests
+from pagedgen.cli.input_records import Request, RequestError, read_requests
 
 if TYPE_CHECKING:
     from pagedgen.llm import LLM
-    from pagedgen.outputs import CompletionOutput, RequestOutput
+    from pagedgen.engine.outputs import CompletionOutput, RequestOutput
 
 
 class UsageError(Exception):
@@ -157,7 +157,7 @@ class Prepared:
 
 def prepare(request: Request, llm: LLM) -> Prepared:
     """Tokenize and check one request against the loaded model; ValueError says why not."""
-    from pagedgen.sampling import SamplingParams
+    from pagedgen.engine.sampling_params import SamplingParams
 
     ids = prompt_token_ids(request, llm.get_tokenizer())
     if not ids:

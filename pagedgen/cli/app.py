@@ -14,7 +14,7 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from pagedgen.config import ConfigError, load_config, parse_set_option
+from pagedgen.cli.config import ConfigError, load_config, parse_set_option
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Offline batch generation on a paged KV cache.")
@@ -127,7 +127,7 @@ def run(
                                        help="Any config key, e.g. --set sampling.min_p=0.05."),
 ) -> None:
     """Generate completions for every request in PROMPTS (resumable; nothing finished is lost)."""
-    from pagedgen.run_job import Job, UsageError, resolve_paths
+    from pagedgen.cli.run_job import Job, UsageError, resolve_paths
 
     console = _stderr()
     flags = {"--model": model, "--dtype": dtype, "--device": device, "--block-size": block_size,
@@ -183,8 +183,8 @@ def profile(
     """Time the engine per phase at one or more block sizes, same workload and KV bytes."""
     import json
 
-    from pagedgen.profiling import WorkloadSpec, parse_range, profile_table, run_profile
-    from pagedgen.run_job import UsageError, load_llm, make_progress
+    from pagedgen.cli.profile import WorkloadSpec, parse_range, profile_table, run_profile
+    from pagedgen.cli.run_job import UsageError, load_llm, make_progress
 
     console = _stderr()
     flags = {"--model": model, "--dtype": dtype, "--device": device, "--kv-memory": kv_memory,

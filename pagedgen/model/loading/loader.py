@@ -9,12 +9,16 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from pagedgen.model import gguf_loader, safetensors_loader, tokenizer as tokenizers
+from pagedgen.model.loading import gguf_loader
+
+from pagedgen.model.loading import safetensors_loader
+
+from pagedgen.model.loading import tokenizer as tokenizers
 from pagedgen.model.config import ModelConfig
 from pagedgen.model.dtypes import resolve_dtype
-from pagedgen.model.llama import LlamaDecoder
-from pagedgen.model.source import locate_model
-from pagedgen.model.weights import load_weights
+from pagedgen.model.layers.llama import LlamaDecoder
+from pagedgen.model.loading.source import locate_model
+from pagedgen.model.loading.weights import load_weights
 
 
 @dataclass(slots=True)
