@@ -16,6 +16,9 @@ _LAZY = {
     "SamplingParams": "pagedgen.engine.sampling_params",
     "RequestOutput": "pagedgen.engine.outputs",
     "CompletionOutput": "pagedgen.engine.outputs",
+    "BeamSearchParams": "pagedgen.engine.beam_search",
+    "BeamSearchOutput": "pagedgen.engine.outputs",
+    "TreeNode": "pagedgen.tree",
 }
 
 __all__ = [*_LAZY, "__version__"]

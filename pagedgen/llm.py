@@ -22,7 +22,8 @@ from pagedgen.memory.report import build_report
 from pagedgen.memory.tracker import MemoryTracker
 from pagedgen.model.loading.loader import load_model
 from pagedgen.model.runtime.runner import ModelRunner
-from pagedgen.engine.outputs import RequestOutput
+from pagedgen.engine.beam_search import BeamSearchParams
+from pagedgen.engine.outputs import BeamSearchOutput, RequestOutput
 from pagedgen.progress import GenerationProgress
 from pagedgen.prompts import (Conversation, Prompt, encode_chat, normalize_prompts,
                               normalize_sampling_params)
@@ -98,6 +99,17 @@ class LLM:
             text, ids = encode_chat(self.loaded.tokenizer, conversation)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm, on_output, request_ids)
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """Beam search (transformers' semantics, vLLM's shape): one output per prompt with
+        `beam_width` beams, best first. All prompts' beams run in the same batches; beams share
+        their common blocks and fork / drop them in place (docs/branching.md)."""
+        items = normalize_prompts(prompts, self.loaded.tokenizer)
+        ids = self._request_ids(None, len(items))
+        for request_id, (text, token_ids) in zip(ids, items):
+            self.engine.add_beam_request(request_id, token_ids, params, text)
+        return [BeamSearchOutput.from_request_output(o) for o in self._run(ids, use_tqdm, None)]
 
     def _request_ids(self, given: list[str] | None, count: int) -> list[str]:
         if given is None:

@@ -19,7 +19,10 @@ from pagedgen.engine.scheduler import Scheduler, SchedulerOutput, check_step_bud
 from pagedgen.engine.sequence import Sequence, SequenceGroup, SeqStatus, make_generator
 from pagedgen.engine.stop_checker import StopDecision, check_stop
 from pagedgen.engine.seq_info import SeqMemInfo
-from pagedgen.engine.outputs import CompletionOutput, Logprob, RequestOutput, Usage
+from pagedgen.engine.outputs import (BeamCompletionOutput, CompletionOutput, Logprob,
+                                     RequestOutput, Usage)
+from pagedgen.engine.beam_search import BeamSearchParams, BeamState
+from pagedgen.engine.beam_step import run_beam_step
 from pagedgen.engine.sampler import Sampler, SamplerOutput, build_batch
 from pagedgen.engine.sampling_params import SamplingParams
 
@@ -77,6 +80,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self._next_seq_id = 0
         self._rejected: list[RequestOutput] = []
+        self.kept: dict[int, Sequence] = {}   # finished sequences holding their blocks (tree nodes)
+        self.kept_by_request: dict[str, list[Sequence]] = {}
 
     # --- requests in ---
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -94,6 +99,60 @@ class LLMEngine:
             return
         group.seqs.append(self._new_sequence(group))
         self.scheduler.add(group.seqs[0])
+
+    def add_beam_request(self, request_id: str, prompt_token_ids: list[int],
+                         params: BeamSearchParams, prompt: str | None = None) -> None:
+        """Queues a beam search request (beam_search.py has the semantics)."""
+        sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0.0,
+                                  ignore_eos=params.ignore_eos,
+                                  include_stop_str_in_output=params.include_stop_str_in_output)
+        self.add_request(request_id, prompt_token_ids, sampling, prompt)
+        if self._rejected and self._rejected[-1].request_id == request_id:
+            return
+        seq = self.scheduler.waiting[-1]
+        seq.cumulative_logprob = 0.0
+        seq.group.beam = BeamState(params, self.eos_token_ids, seq.group.max_tokens, [seq])
+
+    def add_prefill_request(self, request_id: str, prompt_token_ids: list[int]) -> Sequence:
+        """Computes the K/V of a prompt but its last token and keeps the sequence (a tree root);
+        it is in `kept_by_request[request_id]` once its request finished."""
+        self.add_request(request_id, prompt_token_ids, SamplingParams(max_tokens=1))
+        if self._rejected and self._rejected[-1].request_id == request_id:
+            raise ValueError(self._rejected.pop().error)
+        seq = self.scheduler.waiting[-1]
+        seq.group.prefill_only = seq.group.keep_kv = True
+        return seq
+
+    def add_branch_request(self, request_id: str, node: Sequence, params: SamplingParams) -> None:
+        """Extends a kept sequence by params.n branches of up to params.max_tokens tokens each.
+        The first branch shares the node's blocks (no prefix recompute); the others fork from
+        it once its next-token logits are out. The branches are kept when they finish."""
+        group = self._new_group(request_id, None, node.token_ids, params)
+        group.keep_kv = True
+        reason = rejection_reason(node.token_ids, params, self.config.max_model_len,
+                                  self.runner.block_size, self.runner.num_blocks, None)
+        if reason is not None:
+            raise ValueError(f"request {request_id!r}: {reason}")
+        seq = self._new_sequence(group)
+        seq.num_computed = seq.high_water = node.num_computed
+        self.kv.fork(node.seq_id, seq.seq_id)
+        group.seqs.append(seq)
+        group.cached_prompt_tokens = node.num_computed
+        self.scheduler.start_running(seq)
+
+    def release(self, seq_id: int) -> None:
+        """Drops a kept sequence: its block references go at once."""
+        self.kept.pop(seq_id)
+        self.kv.free(seq_id)
+
+    def fork_sequence(self, parent: Sequence, sample_indices: list[int]) -> list[Sequence]:
+        """Branches a running sequence at its current position into len(sample_indices) new
+        sequences sharing all its blocks by reference; a child writing into a shared, partially
+        filled last block copies that one block first (copy-on-write)."""
+        children = [parent.fork(self._take_seq_id(), index) for index in sample_indices]
+        self.scheduler.fork(parent, children)
+        parent.group.seqs += children
+        return children
 
     def _vocab_size(self) -> int | None:
         return getattr(getattr(self.runner, "config", None), "vocab_size", None)
@@ -139,14 +198,29 @@ class LLMEngine:
         finished, self._rejected = self._rejected, []
         self.stats.requests_failed += len(finished)
         scheduled = self.scheduler.schedule()
-        if not scheduled.chunks and self.scheduler.has_unfinished():
+        # Tree roots whose prompt (but the last token) is computed by the end of this step.
+        roots = [s for s in self.scheduler.running if s.group.prefill_only and s.num_pending == 1]
+        if not scheduled.chunks and not roots and self.scheduler.has_unfinished():
+            held = f"; {len(self.kept)} kept tree nodes hold blocks: release some" \
+                if self.kept else ""
             raise RuntimeError("the scheduler could not schedule anything although requests are "
-                               "waiting; the KV pool is too small for the next request")
-        done = self._run(scheduled) if scheduled.chunks else []
-        self.scheduler.finish(done)
+                               f"waiting; the KV pool is too small for the next request{held}")
+        done = roots + (self._run(scheduled) if scheduled.chunks else [])
+        self._finish(done)
         self.stats.steps += 1
         self._record()  # after finishing (issue 4's order): the timeline ends at 0 blocks
         return finished + self._finished_requests(done)
+
+    def _finish(self, done: list[Sequence]) -> None:
+        kept = [s for s in done if s.group.keep_kv]
+        if not kept:
+            self.scheduler.finish(done)
+            return
+        self.scheduler.finish([s for s in done if not s.group.keep_kv])
+        self.scheduler.park(kept)
+        for seq in kept:
+            self.kept[seq.seq_id] = seq
+            self.kept_by_request.setdefault(seq.group.request_id, []).append(seq)
 
     def _run(self, scheduled: SchedulerOutput) -> list[Sequence]:
         """Forward, fork, sample, append; returns the sequences that finished."""
@@ -154,6 +228,19 @@ class LLMEngine:
         sampled = [s for s, c in zip(scheduled.seqs, scheduled.chunks) if c.sample]
         if not sampled:
             return []
+        done: list[Sequence] = []
+        if any(s.group.beam is not None for s in sampled):
+            beam_rows = [i for i, s in enumerate(sampled) if s.group.beam is not None]
+            other = [i for i, s in enumerate(sampled) if s.group.beam is None]
+            done += run_beam_step(self, [sampled[i] for i in beam_rows],
+                                  logits.index_select(0, _index(beam_rows, logits)))
+            if not other:
+                return done
+            sampled = [sampled[i] for i in other]
+            logits = logits.index_select(0, _index(other, logits))
+        return done + self._sample(sampled, logits)
+
+    def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
         rows, row_index = self._fork_where_due(sampled)
         if row_index is not None:
             logits = logits.index_select(0, torch.tensor(row_index, device=logits.device))
@@ -174,9 +261,7 @@ class LLMEngine:
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         group = parent.group
-        children = [parent.fork(self._take_seq_id(), k) for k in range(1, group.params.n)]
-        self.scheduler.fork(parent, children)
-        group.seqs += children
+        children = self.fork_sequence(parent, list(range(1, group.params.n)))
         group.forked = True
         return [parent, *children]
 
@@ -215,9 +300,12 @@ class LLMEngine:
         return outputs
 
     def _request_output(self, group: SequenceGroup) -> RequestOutput:
-        seqs = sorted(group.seqs, key=lambda s: s.sample_index)
-        completions = [self._completion(s) for s in seqs]
-        usage = Usage(len(group.prompt_token_ids), sum(s.num_outputs for s in seqs),
+        if group.beam is not None:
+            completions = self._beam_completions(group)
+        else:
+            seqs = sorted(group.seqs, key=lambda s: s.sample_index)
+            completions = [self._completion(s) for s in seqs]
+        usage = Usage(len(group.prompt_token_ids), sum(len(c.token_ids) for c in completions),
                       group.cached_prompt_tokens or 0)
         metrics = {"arrival_time": group.arrival_time, "finished_time": time.monotonic(),
                    "first_token_time": group.first_token_time or 0.0}
@@ -230,6 +318,16 @@ class LLMEngine:
             _decode_logprob_tokens(self.tokenizer, seq.logprobs)
         return CompletionOutput(seq.sample_index, text, seq.output_token_ids, seq.cumulative_logprob,
                                 seq.logprobs, seq.finish_reason, seq.stop_reason)
+
+    def _beam_completions(self, group: SequenceGroup) -> list[CompletionOutput]:
+        keep_eos = group.params.include_stop_str_in_output
+        outputs = []
+        for rank, hyp in enumerate(group.beam.hypotheses):
+            ids = hyp.token_ids if keep_eos or hyp.finish_reason != "stop" else hyp.token_ids[:-1]
+            text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+            outputs.append(BeamCompletionOutput(rank, text, hyp.token_ids, hyp.cumulative_logprob,
+                                                None, hyp.finish_reason, None, hyp.score))
+        return outputs
 
     # --- memory tracking ---
     def _record(self) -> None:
@@ -270,6 +368,10 @@ def _decode_logprob_tokens(tokenizer: Any, positions: list[dict[int, Logprob]]) 
     for pos in positions:
         for t, lp in pos.items():
             lp.decoded_token = texts[t]
+
+
+def _index(rows: list[int], logits: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(rows, device=logits.device)
 
 
 def _failed_output(group: SequenceGroup, reason: str) -> RequestOutput:

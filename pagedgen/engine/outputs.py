@@ -59,3 +59,41 @@ class RequestOutput:
             if output["logprobs"] is not None:
                 output["logprobs"] = [{str(t): lp for t, lp in pos.items()} for pos in output["logprobs"]]
         return data
+
+
+@dataclass(slots=True)
+class BeamCompletionOutput(CompletionOutput):
+    """One finished beam of a beam search request (outputs are best first)."""
+
+    score: float = 0.0                 # cumulative_logprob / len(token_ids) ** length_penalty
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One beam of `LLM.beam_search`, in vLLM's shape (tokens include the prompt)."""
+
+    tokens: list[int]
+    output_token_ids: list[int]
+    text: str
+    cum_logprob: float
+    score: float                       # cum_logprob / len(output_token_ids) ** length_penalty
+    finish_reason: str                 # "stop" (EOS) or "length"
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """All beams of one prompt, best first."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence]
+    error: str | None = None
+
+    @classmethod
+    def from_request_output(cls, output: RequestOutput) -> BeamSearchOutput:
+        prompt = output.prompt_token_ids
+        beams = [BeamSearchSequence(prompt + c.token_ids, c.token_ids, c.text,
+                                    c.cumulative_logprob, c.score, c.finish_reason)
+                 for c in output.outputs]
+        return cls(output.request_id, output.prompt, prompt, beams, output.error)

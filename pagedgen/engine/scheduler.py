@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedgen.engine.kv_manager import KVCacheManager
-from pagedgen.engine.sequence import Sequence, SeqStatus
+from pagedgen.engine.sequence import Sequence, SequenceGroup, SeqStatus
 from pagedgen.model.runtime.batch import ScheduledChunk
 from pagedgen.engine.sampling_params import SamplingParams
 
@@ -70,6 +70,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def park(self, seqs: list[Sequence]) -> None:
+        """Takes finished sequences off the running list but keeps their blocks (tree nodes)."""
+        for seq in seqs:
+            seq.status = SeqStatus.FINISHED
+        if seqs:
+            self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
+
+    def start_running(self, seq: Sequence) -> None:
+        """Runs a sequence whose blocks the KV manager already holds (a branch of a kept one)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """Zero-copy fork of a running sequence into siblings placed right after it."""
         for child in children:
@@ -93,15 +105,22 @@ class Scheduler:
         for seq in decodes + prefills:
             if state.budget == 0:
                 break
-            if seq.status is SeqStatus.RUNNING:
-                self._schedule_running(seq, state)
+            if seq.status is SeqStatus.RUNNING and seq.seq_id not in state.scheduled:
+                if seq.group.beam is not None and seq.num_pending == 1:
+                    self._schedule_beam_step(seq.group, state)
+                else:
+                    self._schedule_running(seq, state)
         if state.output.preempted == 0:  # re-admitting in a preempting step would just thrash
             self._admit_waiting(state)
+        if not state.output.chunks and self.running:
+            self._unstick(state)
         state.output.copies = self.kv.take_pending_copies()
         return state.output
 
     def _schedule_running(self, seq: Sequence, state: _StepState) -> None:
-        num_tokens = min(seq.num_pending, state.budget)
+        num_tokens = min(seq.num_pending - _held_back(seq), state.budget)
+        if num_tokens <= 0:
+            return
         while not self.kv.can_append([seq.seq_id], num_tokens):
             victims = self._pick_victims(seq, state)
             self._preempt(victims, state)
@@ -109,19 +128,57 @@ class Scheduler:
                 return
         self._emit(seq, num_tokens, state)
 
+    def _schedule_beam_step(self, group: SequenceGroup, state: _StepState) -> None:
+        """A beam search step needs every live beam's next-token row in the same batch: all
+        of them or none (a beam still re-prefilling after a preemption holds the group back)."""
+        beams = group.beam.live
+        if any(b.status is not SeqStatus.RUNNING or b.num_pending != 1 for b in beams):
+            return
+        if state.budget < len(beams):
+            return
+        ids = [b.seq_id for b in beams]
+        while not self.kv.can_append(ids, 1):
+            victims = self._pick_victims(beams[0], state)
+            self._preempt(victims, state)
+            if any(b in victims for b in beams):
+                return
+        for beam in beams:
+            self._emit(beam, 1, state)
+
     def _admit_waiting(self, state: _StepState) -> None:
         while self.waiting and state.budget > 0:
             seq = self.waiting[0]
-            if self.running and len(self.running) + seq.group.seats > self.max_num_seqs:
+            if self.running and len(self.running) + self._seats(seq) > self.max_num_seqs:
                 break
             cached = self.kv.num_cached_prefix_tokens(seq.token_ids)
-            num_tokens = min(len(seq.token_ids) - cached, state.budget)
+            num_tokens = max(0, min(len(seq.token_ids) - cached - _held_back(seq), state.budget))
             if not self.kv.can_admit(seq.token_ids, num_tokens):
                 break
             self.waiting.popleft()
             self._admit(seq)
-            self._emit(seq, num_tokens, state)
+            if num_tokens:
+                self._emit(seq, num_tokens, state)
 
+    def _seats(self, seq: Sequence) -> int:
+        group = seq.group
+        if group.beam is not None and any(b.status is SeqStatus.RUNNING for b in group.beam.live):
+            return 1  # the rest of a beam group coming back from a preemption
+        return group.seats
+
+    def _unstick(self, state: _StepState) -> None:
+        """Nothing ran: only beam groups waiting for members that do not fit are left. Give the
+        newest one back to the queue (behind the members of the older ones) and retry."""
+        group = self.running[-1].group
+        if group.beam is None:
+            return  # not a beam group: the engine reports the stall
+        if all(s.group is group for s in self.running):
+            raise RuntimeError(
+                f"request {group.request_id!r}: its {len(group.seqs)} beams do not fit in the KV "
+                f"pool ({self.kv.num_blocks} blocks) together; raise --kv-memory / --num-blocks "
+                "or lower beam_width")
+        victims = [s for s in self.running if s.group is group]
+        self._preempt(victims, state, to_front=False)
+        self._admit_waiting(state)
     def _admit(self, seq: Sequence) -> None:
         seq.num_computed = self.kv.admit(seq.seq_id, seq.token_ids)
         if seq.group.cached_prompt_tokens is None:
@@ -160,17 +217,43 @@ class Scheduler:
             if not any(s.seq_id in state.scheduled for s in members):
                 return members
         # The asking sequence is itself unscheduled, so this always finds one.
-        return [next(s for s in reversed(self.running) if s.seq_id not in state.scheduled)]
+        victim = next(s for s in reversed(self.running) if s.seq_id not in state.scheduled)
+        if victim.group.beam is None:
+            return [victim]
+        # Beams step together: their unscheduled members go back together.
+        return [s for s in self.running if s.group is victim.group and
+                s.seq_id not in state.scheduled]
 
-    def _preempt(self, victims: list[Sequence], state: _StepState) -> None:
+    def _preempt(self, victims: list[Sequence], state: _StepState, to_front: bool = True) -> None:
         for victim in victims:
             self.kv.free(victim.seq_id)
             victim.num_computed = 0
             victim.status = SeqStatus.WAITING
         self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
-        self.waiting.extendleft(reversed(victims))  # front of the queue, in their order
+        if to_front:
+            self.waiting.extendleft(reversed(victims))  # front of the queue, in their order
+        else:
+            self._queue_behind_partial_groups(victims)
         self.stats.preemptions += len(victims)
         state.output.preempted += len(victims)
+
+    def _queue_behind_partial_groups(self, victims: list[Sequence]) -> None:
+        """Victims go behind the waiting members of groups that still run (so those complete)."""
+        running_groups = {id(s.group) for s in self.running}
+        at = 0
+        while at < len(self.waiting) and id(self.waiting[at].group) in running_groups:
+            at += 1
+        for offset, victim in enumerate(victims):
+            self.waiting.insert(at + offset, victim)
+
+
+def _held_back(seq: Sequence) -> int:
+    """1 when the sequence's last token must wait: beams of a group (re-prefilling after a
+    preemption) sample together, and a prefill-only sequence (a tree root) never samples."""
+    group = seq.group
+    if group.prefill_only or (group.beam is not None and len(group.beam.live) > 1):
+        return 1
+    return 0
 
 
 def check_step_budget(max_num_seqs: int, max_num_batched_tokens: int) -> None:

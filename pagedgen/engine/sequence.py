@@ -7,6 +7,7 @@ group is what preemption picks and what comes back to the caller.
 
 from __future__ import annotations
 
+import copy
 import enum
 import hashlib
 from dataclasses import dataclass, field
@@ -57,6 +58,9 @@ class SequenceGroup:
     forked: bool = False                  # n > 1 groups fork once, after their prefill
     cached_prompt_tokens: int | None = None  # from the first admission only
     first_token_time: float | None = None
+    beam: Any = None                      # a BeamState for beam search requests
+    keep_kv: bool = False                 # finished sequences keep their blocks (tree nodes)
+    prefill_only: bool = False            # computes the prompt but the last token, then is kept
 
     @property
     def needs_fork(self) -> bool:
@@ -65,9 +69,13 @@ class SequenceGroup:
     @property
     def seats(self) -> int:
         """Running slots (max_num_seqs) the group will take once admitted and forked."""
+        if self.beam is not None:
+            return self.beam.width
         return self.params.n if self.needs_fork else 1
 
     def is_finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return (not self.needs_fork) and all(s.status is SeqStatus.FINISHED for s in self.seqs)
 
 
@@ -117,16 +125,18 @@ class Sequence:
         return eos + params.stop_token_ids
 
     def fork(self, seq_id: int, sample_index: int) -> Sequence:
-        """A sibling sample sharing everything computed so far (its K/V: kv_manager.fork)."""
+        """A branch sharing everything so far (its K/V: kv_manager.fork), at any position:
+        the child carries on from the parent's tokens, text and logprobs, with its own random
+        stream (sample_index's)."""
         group = self.group
         child = Sequence(
             seq_id, group, sample_index, list(self.token_ids), self.prompt_len,
             make_generator(group.params.seed, sample_index, _device_of(self.generator)),
             SeqMemInfo(seq_id, group.request_id, sample_index, self.num_computed,
                        self.prompt_len, group.max_tokens),
-            self.status, self.num_computed, self.high_water)
-        # Forks happen before the first output token, so the child starts where the parent did.
-        child.start_outputs(self.detokenizer.tokenizer if self.detokenizer is not None else None)
+            self.status, self.num_computed, self.high_water, self.cumulative_logprob,
+            None if self.logprobs is None else list(self.logprobs),
+            copy.copy(self.detokenizer), self.text)
         return child
 
     def start_outputs(self, tokenizer: Any) -> None:
