@@ -28,6 +28,7 @@ from pagedgen.progress import GenerationProgress
 from pagedgen.prompts import (Conversation, Prompt, encode_chat, normalize_prompts,
                               normalize_sampling_params)
 from pagedgen.engine.sampling_params import SamplingParams
+from pagedgen.tree import TreeNode, TreeRollouts
 
 
 class LLM:
@@ -61,6 +62,7 @@ class LLM:
         self.engine = LLMEngine(self.runner, self.loaded.tokenizer, self.loaded.eos_token_ids, config,
                                 self.tracker, hash_extra_key=self.loaded.name)
         self._request_counter = 0
+        self._tree = TreeRollouts(self)
 
     def _build_tracker(self, block_size: int) -> MemoryTracker:
         cfg, dtype = self.loaded.config, self.runner.dtype
@@ -110,6 +112,29 @@ class LLM:
         for request_id, (text, token_ids) in zip(ids, items):
             self.engine.add_beam_request(request_id, token_ids, params, text)
         return [BeamSearchOutput.from_request_output(o) for o in self._run(ids, use_tqdm, None)]
+
+    # --- tree rollouts (pagedgen/tree.py) ---
+    def tree_root(self, prompt: Prompt) -> TreeNode:
+        """Computes a prompt's K/V once and returns the root node of a rollout tree."""
+        items = normalize_prompts(prompt, self.loaded.tokenizer)
+        if len(items) != 1:
+            raise ValueError(f"tree_root takes one prompt, got {len(items)}")
+        token_ids = items[0][1]
+        return self._tree.root(token_ids)
+
+    def extend(self, nodes: TreeNode | list[TreeNode], k: int = 1, max_tokens: int = 16,
+               sampling_params: SamplingParams | None = None) -> list[list[TreeNode]]:
+        """Extends every node by k branches of up to max_tokens tokens (sampling_params's other
+        fields apply; logprobs default to 0). All nodes' branches run in the same engine steps.
+        Returns the children of each node, in order; every child holds its blocks until
+        `release`."""
+        nodes = [nodes] if isinstance(nodes, TreeNode) else list(nodes)
+        return self._tree.extend(nodes, k, max_tokens, sampling_params)
+
+    def release(self, nodes: TreeNode | list[TreeNode]) -> None:
+        """Drops tree nodes: their block references go at once (shared blocks stay with the
+        nodes that still hold them)."""
+        self._tree.release(nodes)
 
     def _request_ids(self, given: list[str] | None, count: int) -> list[str]:
         if given is None:
