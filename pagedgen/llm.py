@@ -86,7 +86,10 @@ class LLM:
         params = normalize_sampling_params(sampling_params, len(items))
         ids = self._request_ids(request_ids, len(items))
         for request_id, (text, token_ids), p in zip(ids, items, params):
-            self.engine.add_request(request_id, token_ids, p, text)
+            # A BeamSearchParams entry runs that prompt by beam search (outputs: its beams).
+            add = self.engine.add_beam_request if isinstance(p, BeamSearchParams) \
+                else self.engine.add_request
+            add(request_id, token_ids, p, text)
         return self._run(ids, use_tqdm, on_output)
 
     def chat(self, conversations: Conversation | list[Conversation],

@@ -62,12 +62,15 @@ def normalize_sampling_params(params: SamplingParams | Iterable[SamplingParams] 
                               count: int) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
+    from pagedgen.engine.beam_search import BeamSearchParams  # lazy: it imports torch
+
+    if isinstance(params, (SamplingParams, BeamSearchParams)):
         return [params] * count
     params = list(params)
     if len(params) != count:
         raise ValueError(f"sampling_params has {len(params)} entries for {count} prompts")
     for i, p in enumerate(params):
-        if not isinstance(p, SamplingParams):
-            raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+        if not isinstance(p, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"sampling_params[{i}] must be a SamplingParams (or BeamSearchParams), "
+                             f"got {type(p).__name__}")
     return params

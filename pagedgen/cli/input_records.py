@@ -101,6 +101,14 @@ SAMPLING_FIELDS: dict[str, Callable[[Any], Any]] = {
 }
 
 
+# A line with "beam_width" runs beam search (run_job.prepare builds its BeamSearchParams).
+BEAM_SEARCH_FIELDS: dict[str, Callable[[Any], Any]] = {
+    "beam_width": int_at_least(1),
+    "length_penalty": _number_in(-100.0, 100.0),
+}
+SAMPLING_FIELDS.update(BEAM_SEARCH_FIELDS)
+
+
 def unknown_key_message(key: str, known: list[str] | tuple[str, ...]) -> str:
     close = difflib.get_close_matches(key, list(known), n=1)
     return f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")

@@ -45,6 +45,7 @@ class SampleResult:
     finish_reason: str | None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+    beam_scores: dict[str, float] | None = None   # beam search: score and cumulative_logprob
 
 
 @dataclass(slots=True)
@@ -74,6 +75,8 @@ def _sample_record(sample: SampleResult) -> dict[str, Any]:
               "finish_reason": sample.finish_reason, "stop_reason": sample.stop_reason}
     if sample.logprobs is not None:
         record["logprobs"] = [_logprob_record(t) for t in sample.logprobs]
+    if sample.beam_scores is not None:
+        record.update(sample.beam_scores)
     return record
 
 

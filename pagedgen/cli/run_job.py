@@ -164,10 +164,29 @@ def prepare(request: Request, llm: LLM) -> Prepared:
         raise ValueError("the prompt is empty after tokenization")
     check_prompt(ids, llm.max_model_len, llm.loaded.config.vocab_size)
     try:
-        params = SamplingParams(**request.sampling)
+        if "beam_width" in request.sampling:
+            params = beam_search_params(request.sampling)
+        elif "length_penalty" in request.sampling:
+            raise ValueError("'length_penalty' applies to beam search only: add 'beam_width'")
+        else:
+            params = SamplingParams(**request.sampling)
     except (TypeError, ValueError) as exc:
         raise ValueError(str(exc)) from None
     return Prepared(request, ids, params)
+
+
+def beam_search_params(sampling: dict[str, Any]) -> Any:
+    """BeamSearchParams from a line's fields; sampling-only fields (top_p, seed...) are ignored,
+    those that contradict beam search are errors."""
+    from pagedgen.engine.beam_search import BeamSearchParams
+
+    for key in ("stop", "stop_token_ids", "logprobs"):
+        if sampling.get(key):
+            raise ValueError(f"{key!r} cannot be combined with 'beam_width'")
+    if sampling.get("n", 1) != 1:
+        raise ValueError("'n' cannot be combined with 'beam_width' (the beams are the outputs)")
+    kept = ("max_tokens", "ignore_eos", "length_penalty", "include_stop_str_in_output")
+    return BeamSearchParams(sampling["beam_width"], **{k: sampling[k] for k in kept if k in sampling})
 
 
 # --- engine outputs -> results ---
@@ -189,11 +208,19 @@ def _token_logprobs(output: CompletionOutput, want: int, tokenizer: Any) -> list
 
 
 def to_result(prepared: Prepared, output: RequestOutput, model_name: str, tokenizer: Any) -> RequestResult:
-    want = prepared.params.logprobs or 0
+    want = getattr(prepared.params, "logprobs", None) or 0
     samples = [SampleResult(o.index, o.text, list(o.token_ids), o.finish_reason, o.stop_reason,
-                            _token_logprobs(o, want, tokenizer)) for o in output.outputs]
+                            _token_logprobs(o, want, tokenizer), _beam_scores(o))
+               for o in output.outputs]
     return RequestResult(prepared.request, len(prepared.token_ids), samples, model_name,
                          output.usage.cached_prompt_tokens)
+
+
+def _beam_scores(output: CompletionOutput) -> dict[str, float] | None:
+    score = getattr(output, "score", None)   # set on the beams of a beam search request
+    if score is None:
+        return None
+    return {"score": score, "cumulative_logprob": output.cumulative_logprob}
 
 
 # --- the job ---
