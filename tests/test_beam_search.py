@@ -124,10 +124,18 @@ def test_beams_share_blocks_and_drop_them_at_once():
     llm = make_llm(8)
     llm.beam_search([{"prompt_token_ids": list(p)} for p in prompts()],
                     BeamSearchParams(4, 12, ignore_eos=True), use_tqdm=False)
-    summary = llm.memory_report()["summary"]
+    report = llm.memory_report()
+    summary, unshared = report["summary"], report["counterfactual"]["no_sharing"]
     assert summary["cow_copies"] > 0
-    assert summary["peak_blocks_used"] < summary["logical_blocks_at_peak"]
+    assert summary["peak_blocks_used"] < summary["logical_blocks_at_peak"] <= unshared["peak_blocks"]
+    assert unshared["sharing_saved_blocks"] == unshared["peak_blocks"] - summary["peak_blocks_used"]
     assert llm.engine.scheduler.stats.prompt_tokens_computed == sum(len(p) for p in prompts())
+    # The block map: a request's beams are its samples, their common blocks shown with ref > 1.
+    tables = report["peak_block_tables"]["sequences"]
+    beams = [t for t in tables if t["request_id"] == "0"]
+    assert len(beams) == 4 and len({t["sample_index"] for t in beams}) == 4
+    first = beams[0]["block_table"][0]
+    assert all(t["block_table"][0] == first for t in beams) and beams[0]["ref_counts"][0] == 4
 
 
 def test_beam_search_runs_beside_plain_requests_in_the_same_steps():

@@ -82,6 +82,13 @@ def test_greedy_tree_equals_paths_from_scratch_and_pool_holds_exactly_the_tree()
             assert node.cumulative_logprob == pytest.approx(sum(scores[start:end]), abs=1e-4)
             node, end = node.parent, start
 
+    report = llm.memory_report()
+    unshared = report["counterfactual"]["no_sharing"]
+    assert unshared["peak_blocks"] == kv.snapshot().logical_blocks   # the tree at its largest
+    assert unshared["sharing_saved_blocks"] == unshared["peak_blocks"] - kv.snapshot().blocks_used
+    labels = {t["request_id"] for t in report["peak_block_tables"]["sequences"]}
+    assert None not in labels and len(report["peak_block_tables"]["sequences"]) == 40
+
     llm.release([n for level in levels for n in level])
     assert kv.snapshot().blocks_used == 0
     kv.check_integrity()

@@ -334,6 +334,8 @@ class LLMEngine:
         if self.tracker is None:
             return
         running = self.scheduler.running
+        if self.kept:  # kept tree nodes hold blocks too: they show in the tables and replays
+            running = running + list(self.kept.values())
         for seq in running:
             seq.mem_info.num_tokens = seq.num_computed
         stats = self.scheduler.stats

@@ -103,10 +103,26 @@ def events_table(s: dict[str, Any]) -> Table:
     ])
 
 
+def sharing_table(s: dict[str, Any], cf: dict[str, Any]) -> Table:
+    unshared = cf["no_sharing"]
+    return _kv_table("Block sharing (n > 1 samples, beams, tree nodes)", [
+        ("shared blocks at peak", f"{s['shared_blocks_at_peak']:,}"),
+        ("copy-on-write block copies", f"{s['cow_copies']:,}"),
+        ("no sharing (each branch holds its whole prefix)",
+         f"{unshared['peak_blocks']:,} blocks ({human_bytes(unshared['peak_bytes'])})"),
+        ("paged with sharing", f"{s['peak_blocks_used']:,} blocks"),
+        ("saved by sharing", f"{unshared['sharing_saved_blocks']:,} blocks "
+                             f"({pct(unshared['sharing_saved_fraction'])})"),
+    ])
+
+
 def report_renderable(report: dict[str, Any]) -> Group:
     pool, summary, cf = report["pool"], report["summary"], report["counterfactual"]
-    return Group(pool_table(pool), peak_table(pool, summary), savings_table(cf),
-                 arena_table(cf["first_fit_arena"]), events_table(summary))
+    parts = [pool_table(pool), peak_table(pool, summary), savings_table(cf),
+             arena_table(cf["first_fit_arena"]), events_table(summary)]
+    if "no_sharing" in cf and cf["no_sharing"]["sharing_saved_blocks"] > 0:
+        parts.append(sharing_table(summary, cf))
+    return Group(*parts)
 
 
 def render_report(report: dict[str, Any], console: Console | None = None) -> None:

@@ -93,12 +93,27 @@ def counterfactual_section(t: MemoryTracker) -> dict[str, Any]:
     }}
     for policy in POLICIES:
         section[policy] = _policy_entry(t, t.replay.peaks[policy], paging_bytes)
+    section["no_sharing"] = no_sharing_entry(t)
     arena = t.replay.arena
     section["first_fit_arena"] = {
         "size_tokens": arena.size, **asdict(arena.stats),
         "peak_used_bytes": arena.stats.peak_used * t.bytes_per_token,
     }
     return section
+
+
+def no_sharing_entry(t: MemoryTracker) -> dict[str, Any]:
+    """The same branches (n > 1 samples, beams, tree nodes) with no block shared: every block
+    table entry its own block. Its peak is the most table entries at any step."""
+    peak = t.peak or StepSample(-1, *([0] * 12))
+    unshared = t.peak_logical or peak
+    blocks, bytes_per_block = unshared.logical_blocks, t.block_size * t.bytes_per_token
+    return {
+        "peak_blocks": blocks, "peak_step": unshared.step,
+        "peak_bytes": blocks * bytes_per_block,
+        "sharing_saved_blocks": blocks - peak.blocks_used,
+        "sharing_saved_fraction": _ratio(blocks - peak.blocks_used, blocks),
+    }
 
 
 def tables_dict(snapshot: TableSnapshot | None) -> dict[str, Any] | None:

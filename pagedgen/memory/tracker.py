@@ -104,6 +104,8 @@ class MemoryTracker:
     utilization: UtilizationMean = field(default_factory=UtilizationMean, init=False)
     peak: StepSample | None = field(default=None, init=False)
     peak_tables: TableSnapshot | None = field(default=None, init=False)
+    # The step where the tables, unshared (every branch holding its whole prefix), were largest.
+    peak_logical: StepSample | None = field(default=None, init=False)
     last: StepSample | None = field(default=None, init=False)
     peak_running: int = field(default=0, init=False)
     peak_running_step: int = field(default=-1, init=False)
@@ -164,6 +166,8 @@ class MemoryTracker:
         self._keep_tables(sample, is_peak, lambda: capture_tables(
             step, sample, running, block_tables, cached_free_blocks))
         self.timeline.append(sample, pinned=is_peak)
+        if self.peak_logical is None or sample.logical_blocks > self.peak_logical.logical_blocks:
+            self.peak_logical = sample
         self._track_concurrency(step, len(running))
         self.last = sample
 
