@@ -115,7 +115,7 @@ def test_early_stopping_modes_match_transformers(early_stopping):
 
 def test_beam_groups_preempted_by_recompute_still_match():
     eos = favoured_token()
-    llm = make_llm(8, num_blocks=20, eos=eos)
+    llm = make_llm(8, num_blocks=24, eos=eos)   # one group's worst case fits, three do not
     check_equal(llm, 8, 12, 1.0, eos)
     assert llm.stats["preemptions"] > 0
 
@@ -157,3 +157,14 @@ def test_bad_beam_params_are_named():
         BeamSearchParams(0, 4)
     with pytest.raises(ValueError, match="early_stopping"):
         BeamSearchParams(2, 4, early_stopping="sometimes")
+
+
+def test_beam_group_that_cannot_fit_fails_alone_with_a_reason():
+    llm = make_llm(8, num_blocks=12)
+    outputs = llm.beam_search([{"prompt_token_ids": list(prompts()[0])}] * 2,
+                              BeamSearchParams(8, 40, ignore_eos=True), use_tqdm=False)
+    assert all("beam_width 8" in o.error and "KV blocks" in o.error for o in outputs)
+    assert all(o.sequences == [] for o in outputs)
+    ok = llm.beam_search([{"prompt_token_ids": list(prompts()[0])}],
+                         BeamSearchParams(2, 8, ignore_eos=True), use_tqdm=False)[0]
+    assert ok.error is None and len(ok.sequences) == 2

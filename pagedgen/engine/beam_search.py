@@ -70,6 +70,21 @@ def _check_number(name: str, value: Any, minimum: float | None) -> None:
         raise ValueError(f"BeamSearchParams.{name} must be a finite number{bound}, got {value!r}")
 
 
+def beam_rejection_reason(prompt_len: int, max_tokens: int, width: int, block_size: int,
+                          num_blocks: int) -> str | None:
+    """Why W beams can never run together (None when they can): sharing only the prompt's
+    full blocks, each beam needs its generated tokens' blocks plus its copied partial block
+    (the last generated token is never stored)."""
+    shared = prompt_len // block_size
+    own = -(-(prompt_len % block_size + max_tokens - 1) // block_size)
+    needed = shared + width * own
+    if needed <= num_blocks:
+        return None
+    return (f"beam_width {width} with a {prompt_len}-token prompt and max_tokens {max_tokens} "
+            f"needs up to {needed} KV blocks of {block_size} tokens but the pool has only "
+            f"{num_blocks}; raise --kv-memory / --num-blocks, or lower beam_width or max_tokens")
+
+
 @dataclass(slots=True)
 class Hypothesis:
     """A finished beam: its output tokens and scores."""

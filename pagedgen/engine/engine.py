@@ -21,7 +21,7 @@ from pagedgen.engine.stop_checker import StopDecision, check_stop
 from pagedgen.engine.seq_info import SeqMemInfo
 from pagedgen.engine.outputs import (BeamCompletionOutput, CompletionOutput, Logprob,
                                      RequestOutput, Usage)
-from pagedgen.engine.beam_search import BeamSearchParams, BeamState
+from pagedgen.engine.beam_search import BeamSearchParams, BeamState, beam_rejection_reason
 from pagedgen.engine.beam_step import run_beam_step
 from pagedgen.engine.sampler import Sampler, SamplerOutput, build_batch
 from pagedgen.engine.sampling_params import SamplingParams
@@ -110,6 +110,13 @@ class LLMEngine:
         if self._rejected and self._rejected[-1].request_id == request_id:
             return
         seq = self.scheduler.waiting[-1]
+        reason = beam_rejection_reason(len(prompt_token_ids), seq.group.max_tokens,
+                                       params.beam_width, self.runner.block_size,
+                                       self.runner.num_blocks)
+        if reason is not None:
+            self.scheduler.waiting.pop()
+            self._rejected.append(_failed_output(seq.group, reason))
+            return
         seq.cumulative_logprob = 0.0
         seq.group.beam = BeamState(params, self.eos_token_ids, seq.group.max_tokens, [seq])
 
