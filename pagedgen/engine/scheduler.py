@@ -12,6 +12,12 @@ step are never preempted: their freshly appended blocks may carry prefix hashes 
 only this step's forward will write. If the newest group has such members, the newest
 unscheduled sequence is preempted instead (possibly the one asking), which also keeps a
 group that cannot fit whole from preempting itself forever.
+
+Beam search groups step together: their live beams are scheduled all in one step or not at all,
+and are preempted together. Back from a preemption, each beam is re-prefilled up to its last
+token, which waits until every beam of the group is back (`_held_back`). If nothing at all can
+run because partly re-admitted groups fill the pool, the newest one is sent back behind the
+others (`_unstick`).
 """
 
 from __future__ import annotations
