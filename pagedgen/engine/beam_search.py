@@ -145,11 +145,15 @@ def top_candidates(logits: torch.Tensor, groups: list[BeamState], temperature: l
     widths = [len(g.live) for g in groups]
     k_max = min(max(g.num_candidates for g in groups), logits.shape[-1])
     rows = logits.float()
-    scale = torch.tensor([t if t > 0 else 1.0 for t in temperature], device=rows.device)
-    log_probs = torch.log_softmax(rows / scale[:, None], dim=-1)
+    if any(t > 0 and t != 1.0 for t in temperature):
+        scale = torch.tensor([t if t > 0 else 1.0 for t in temperature], device=rows.device)
+        rows = rows / scale[:, None]
     cumulative = torch.tensor([b.cumulative_logprob for g in groups for b in g.live],
                               dtype=torch.float32, device=rows.device)
-    values, token_ids = (log_probs + cumulative[:, None]).topk(k_max, dim=-1)
+    # log_softmax is the logits minus a per-row constant: rank the raw row, shift the winners
+    # (two passes over the vocabulary instead of four full-size temporaries).
+    values, token_ids = rows.topk(k_max, dim=-1)
+    values = values - torch.logsumexp(rows, dim=-1, keepdim=True) + cumulative[:, None]
     per_group_values, per_group_index = _top_per_group(values, widths, k_max)
     return _candidates(groups, widths, k_max, per_group_values, per_group_index, token_ids)
 
