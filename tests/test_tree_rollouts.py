@@ -124,3 +124,16 @@ def test_released_node_cannot_be_extended():
     llm.release(root)
     with pytest.raises(ValueError, match="released"):
         llm.extend([root], 2, 3)
+
+
+def test_one_token_root_and_deep_greedy_chain_match_generate():
+    llm = make_llm()
+    root = llm.tree_root({"prompt_token_ids": PROMPT[:1]})
+    assert llm.engine.kv.num_tokens(root.seq_id) == 0       # nothing to compute before the last token
+    child = llm.extend(root, 1, 9, SamplingParams(temperature=0, ignore_eos=True))[0][0]
+    grandchild = llm.extend(child, 1, 4, SamplingParams(temperature=0, ignore_eos=True))[0][0]
+    expected = llm.generate([PROMPT[:1]], SamplingParams(temperature=0, max_tokens=13,
+                                                         ignore_eos=True), use_tqdm=False)[0]
+    assert grandchild.token_ids == PROMPT[:1] + expected.outputs[0].token_ids
+    llm.release([root, child, grandchild])
+    assert llm.engine.kv.snapshot().blocks_used == 0

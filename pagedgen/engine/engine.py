@@ -82,6 +82,7 @@ class LLMEngine:
         self._rejected: list[RequestOutput] = []
         self.kept: dict[int, Sequence] = {}   # finished sequences holding their blocks (tree nodes)
         self.kept_by_request: dict[str, list[Sequence]] = {}
+        self._roots = 0                        # tree roots still being prefilled
 
     # --- requests in ---
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -128,7 +129,14 @@ class LLMEngine:
             raise ValueError(self._rejected.pop().error)
         seq = self.scheduler.waiting[-1]
         seq.group.prefill_only = seq.group.keep_kv = True
+        self._roots += 1
         return seq
+
+    def _roots_ready(self) -> list[Sequence]:
+        """Tree roots whose prompt (but the last token) is computed by the end of this step."""
+        ready = [s for s in self.scheduler.running if s.group.prefill_only and s.num_pending == 1]
+        self._roots -= len(ready)
+        return ready
 
     def add_branch_request(self, request_id: str, node: Sequence, params: SamplingParams) -> None:
         """Extends a kept sequence by params.n branches of up to params.max_tokens tokens each.
@@ -196,6 +204,7 @@ class LLMEngine:
         aborted = {s.group.request_id: None for s in seqs}
         aborted.update({o.request_id: None for o in self._rejected})
         self._rejected = []
+        self._roots = 0
         self.kv.take_pending_copies()
         return list(aborted)
 
@@ -205,8 +214,7 @@ class LLMEngine:
         finished, self._rejected = self._rejected, []
         self.stats.requests_failed += len(finished)
         scheduled = self.scheduler.schedule()
-        # Tree roots whose prompt (but the last token) is computed by the end of this step.
-        roots = [s for s in self.scheduler.running if s.group.prefill_only and s.num_pending == 1]
+        roots = self._roots_ready() if self._roots else []
         if not scheduled.chunks and not roots and self.scheduler.has_unfinished():
             held = f"; {len(self.kept)} kept tree nodes hold blocks: release some" \
                 if self.kept else ""
