@@ -8,11 +8,15 @@ model favours is made the EOS) and without EOS; and with a pool small enough to 
 from __future__ import annotations
 
 import functools
+import io
 
 import pytest
 import torch
 
+from rich.console import Console
+
 from pagedgen import LLM, BeamSearchParams
+from pagedgen.memory.render import render_report
 from tiny_models import tiny_hf_model, tiny_model_dir
 
 PAD = 0
@@ -136,6 +140,9 @@ def test_beams_share_blocks_and_drop_them_at_once():
     assert len(beams) == 4 and len({t["sample_index"] for t in beams}) == 4
     first = beams[0]["block_table"][0]
     assert all(t["block_table"][0] == first for t in beams) and beams[0]["ref_counts"][0] == 4
+    console = Console(file=io.StringIO(), width=120)
+    render_report(report, console)
+    assert "Block sharing" in console.file.getvalue()
 
 
 def test_beam_search_runs_beside_plain_requests_in_the_same_steps():
