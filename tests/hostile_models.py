@@ -36,7 +36,7 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{kind}"
 
 
-def tiny_gguf_with_tokenizer(path: Path) -> Path:
+def tiny_gguf_with_tokenizer(path: Path, embed_tokenizer: bool = True) -> Path:
     """A llama GGUF of the tiny model with the tiny tokenizer embedded (BPE, 'gpt2' model).
     Q/K are not permuted: these files test loading, not numerics."""
     config, tokenizer = hf_config("llama"), tiny_tokenizer()
@@ -48,6 +48,18 @@ def tiny_gguf_with_tokenizer(path: Path) -> Path:
                        ("attention.head_count_kv", config.num_key_value_heads)):
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+    if embed_tokenizer:
+        _embed_tokenizer(writer, tokenizer)
+    for name, tensor in tiny_hf_model("llama").state_dict().items():
+        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(tensor.numpy()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _embed_tokenizer(writer: GGUFWriter, tokenizer) -> None:
     backend = json.loads(tokenizer.backend_tokenizer.to_str())
     vocab = sorted(backend["model"]["vocab"].items(), key=lambda item: item[1])
     writer.add_tokenizer_model("gpt2")
@@ -57,13 +69,6 @@ def tiny_gguf_with_tokenizer(path: Path) -> Path:
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in backend["model"]["merges"]])
     writer.add_eos_token_id(tokenizer.eos_token_id)
     writer.add_bos_token_id(tokenizer.bos_token_id)
-    for name, tensor in tiny_hf_model("llama").state_dict().items():
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(tensor.numpy()))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 # --- hand-made GGUF headers ---------------------------------------------------------------

@@ -168,6 +168,11 @@ def test_truncated_real_gguf_is_one_named_error(tmp_path):
     expect_load_error(path, "tiny.gguf", "past the end of the file")
 
 
+def test_gguf_without_an_embedded_tokenizer(tmp_path):
+    path = hm.tiny_gguf_with_tokenizer(tmp_path / "bare.gguf", embed_tokenizer=False)
+    expect_load_error(path, "bare.gguf", "cannot build a tokenizer from the GGUF file")
+
+
 def test_gguf_whose_metadata_claims_a_huge_model(tmp_path):
     """Header dimensions beyond what the file's bytes can hold: refused before allocating."""
     path = hm.tiny_gguf_with_tokenizer(tmp_path / "tiny.gguf")

@@ -21,7 +21,7 @@ class ModelLoadError(ValueError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        return f"cannot load model {self.path}: {self.reason}" if self.path else self.reason
+        return f"{self.path}: {self.reason}" if self.path else self.reason
 
     def naming(self, path: Path | str) -> "ModelLoadError":
         """The same error, naming `path` when no file was named yet."""
