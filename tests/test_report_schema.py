@@ -117,3 +117,17 @@ def test_byte_offsets_of_a_valid_report_are_never_negative(report, tmp_path):
     assert result.exit_code == 0, result.output
     layers = json.loads(result.stdout)["address"]["layers"]
     assert all(l["k_byte_offset"] >= 0 and l["v_byte_offset"] >= 0 for l in layers)
+
+
+def test_a_report_of_a_real_run_under_pressure_passes():
+    """n > 1, prefix sharing and preemptions in a tiny pool: every recorded table is valid."""
+    from pagedgen import LLM, SamplingParams
+    from tiny_models import tiny_model_dir
+
+    llm = LLM(str(tiny_model_dir()), dtype="float32", num_blocks=24, block_size=4, max_num_seqs=6)
+    prompts = [list(range(5, 5 + k)) for k in (3, 9, 17, 30)]
+    llm.generate(prompts, SamplingParams(n=3, temperature=0.8, max_tokens=20, ignore_eos=True, seed=1),
+                 use_tqdm=False)
+    assert llm.stats["preemptions"] > 0
+    report = json.loads(json.dumps(llm.memory_report()))
+    assert validate_report(report, "run") is report and report["block_table_snapshots"]
