@@ -6,10 +6,9 @@ Both spellings are accepted here so that folders saved by either version load.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
-
-import math
 
 import torch
 
