@@ -96,9 +96,7 @@ def kv_string(key: str, value: str) -> bytes:
 
 def kv_nested_arrays(key: str, depth: int) -> bytes:
     """key = [[[...[]...]]], `depth` arrays deep (each holding one array, the last none)."""
-    body = struct.pack("<IQ", GGUFValueType.UINT8, 0)
-    for _ in range(depth - 1):
-        body = struct.pack("<IQ", GGUFValueType.ARRAY, 1) + body
+    body = struct.pack("<IQ", GGUFValueType.ARRAY, 1) * (depth - 1) + struct.pack("<IQ", GGUFValueType.UINT8, 0)
     return _string(key) + struct.pack("<I", GGUFValueType.ARRAY) + body
 
 
