@@ -4,9 +4,11 @@
 
 The shared library is compiled once per machine with the system C compiler and cached under
 $PAGEDGEN_CACHE_DIR (default ~/.cache/pagedgen) keyed by a hash of the source, the flags and
-the CPU, so a second process loads it in milliseconds. Anything that goes wrong (no compiler,
-unsupported shape) makes the caller fall back to the pure-torch path: the native kernel is a
-speed-up, never a requirement. PAGEDGEN_NATIVE_KERNELS=0 turns it off.
+the CPU, so a second process loads it in milliseconds. The cache is private and each library
+is checked against the digest recorded at its build before it is loaded (native_cache.py).
+Anything that goes wrong (no compiler, a bad or incomplete library, unsupported shape) makes
+the caller fall back to the pure-torch path with one warning: the native kernel is a speed-up,
+never a requirement. PAGEDGEN_NATIVE_KERNELS=0 turns it off.
 """
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import warnings
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from . import native_cache
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_decode_attention.c", "cpu_decode_attention_bf16.c", "cpu_fused_ops.c",
@@ -69,27 +72,42 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _library_path(compiler: str) -> Path:
+def library_name(compiler: str) -> str:
     key = hashlib.sha256(b"\0".join(
         [*(source.read_bytes() for source in SOURCES + HEADERS), " ".join(FLAGS).encode(),
          compiler.encode(), _cpu_id().encode()]
     )).hexdigest()[:16]
-    cache = Path(os.environ.get("PAGEDGEN_CACHE_DIR", Path.home() / ".cache" / "pagedgen"))
-    return cache / "kernels" / f"pagedgen-cpu-{key}.so"
+    return f"pagedgen-cpu-{key}.so"
+
+
+def _library_folder() -> Path:
+    """The private cache folder, or (one warning) a private folder for this process when the
+    configured one could be written by someone else."""
+    try:
+        return native_cache.private_folder(native_cache.cache_root())
+    except native_cache.UnsafeCacheError as error:
+        warnings.warn(f"pagedgen: native kernel cache not used: {error}; building in a private "
+                      "temporary folder (make the cache folder yours, mode 700)")
+        return native_cache.temporary_private_folder()
 
 
 def _compile(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Compile to a temporary name, then rename: concurrent processes never load a half file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    subprocess.run([compiler, *FLAGS, "-o", str(target), *map(str, SOURCES), "-lm"], check=True,
+                   capture_output=True, text=True, timeout=120)
+
+
+class MissingSymbolError(OSError):
+    """The library lacks a function this module calls (a foreign or stale build)."""
+
+
+def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    for name, argtypes in _SIGNATURES.items():
+        try:
+            function = getattr(library, name)
+        except AttributeError:
+            raise MissingSymbolError(f"the native library lacks the function {name}") from None
+        function.argtypes, function.restype = argtypes, ctypes.c_int
+    return library
 
 
 def first_error_line(error: Exception) -> str:
@@ -111,18 +129,14 @@ def load() -> ctypes.CDLL | None:
     if compiler is None:
         return None
     try:
-        path = _library_path(compiler)
-        if not path.exists():
-            _compile(compiler, path)
-        library = ctypes.CDLL(str(path))
+        path = _library_folder() / library_name(compiler)
+        if not native_cache.is_verified(path):   # missing, corrupt, or not what we built
+            native_cache.build_verified(path, lambda tmp: _compile(compiler, tmp))
+        return _bind(ctypes.CDLL(str(path)))
     except (OSError, subprocess.SubprocessError) as error:
         warnings.warn(f"pagedgen: native CPU attention unavailable, using torch "
                       f"({first_error_line(error)}); set PAGEDGEN_NATIVE_KERNELS=0 to silence")
         return None
-    for name, argtypes in _SIGNATURES.items():
-        function = getattr(library, name)
-        function.argtypes, function.restype = argtypes, ctypes.c_int
-    return library
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -23,10 +23,10 @@ from pagedgen.memory.tracker import MemoryTracker
 from pagedgen.model.loading.loader import load_model
 from pagedgen.model.runtime.runner import ModelRunner
 from pagedgen.engine.beam_search import BeamSearchParams
-from pagedgen.engine.outputs import BeamSearchOutput, RequestOutput
+from pagedgen.engine.outputs import BeamSearchOutput, RequestOutput, Usage
 from pagedgen.progress import GenerationProgress
-from pagedgen.prompts import (Conversation, Prompt, encode_chat, normalize_prompts,
-                              normalize_sampling_params)
+from pagedgen.prompts import (Conversation, EncodedPrompt, Prompt, encode_chat, encode_isolated,
+                              normalize_prompts, normalize_sampling_params)
 from pagedgen.engine.sampling_params import SamplingParams
 from pagedgen.tree import TreeNode, TreeRollouts
 
@@ -37,21 +37,23 @@ class LLM:
     vLLM's name) or kv_memory (bytes for the pool; neither: 1 GiB on CPU, a share of free
     memory on CUDA), max_num_seqs, max_num_batched_tokens, max_model_len (default: the model's
     max_position_embeddings capped by the pool's capacity), enable_prefix_caching, seed (for
-    unseeded requests), threads (torch.set_num_threads; None leaves torch's choice)."""
+    unseeded requests), threads (torch.set_num_threads; None leaves torch's choice), tokenizer
+    (a folder whose tokenizer replaces the model's own; for a GGUF file it must have the file's
+    vocabulary)."""
 
     def __init__(self, model: str | None = None, *, dtype: str | torch.dtype | None = None,
                  device: str | None = None, block_size: int = 16, num_blocks: int | None = None,
                  num_gpu_blocks: int | None = None, kv_memory: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 seed: int = 0, threads: int | None = None) -> None:
+                 seed: int = 0, threads: int | None = None, tokenizer: str | None = None) -> None:
         _set_threads(threads)
         require_int("block_size", block_size)
         # Checked before the (slow) model load, so that a typo fails at once.
         EngineConfig(max_num_seqs, max_num_batched_tokens, 1, enable_prefix_caching, seed)
         device = _resolve_device(device)
         num_blocks, kv_memory = _pool_size(num_blocks, num_gpu_blocks, kv_memory, device)
-        self.loaded = load_model(model, None if dtype == "auto" else dtype, device)
+        self.loaded = load_model(model, None if dtype == "auto" else dtype, device, tokenizer)
         self.runner = ModelRunner(self.loaded, block_size, num_blocks=num_blocks,
                                   kv_memory_bytes=kv_memory)
         self.max_model_len = _resolve_max_model_len(
@@ -83,14 +85,31 @@ class LLM:
         dict, or a list of any of these. Returns one RequestOutput per prompt, in input order;
         `on_output` sees each one as soon as it finishes (completion order)."""
         items = normalize_prompts(prompts, self.loaded.tokenizer)
+        return self._generate(items, sampling_params, use_tqdm, on_output, request_ids)
+
+    def _generate(self, items: list[EncodedPrompt], sampling_params: Any, use_tqdm: bool,
+                  on_output: Callable[[RequestOutput], None] | None,
+                  request_ids: list[str] | None) -> list[RequestOutput]:
+        """Queues every prompt, then runs; a prompt that failed to encode is answered with its
+        error and the rest still run."""
         params = normalize_sampling_params(sampling_params, len(items))
         ids = self._request_ids(request_ids, len(items))
-        for request_id, (text, token_ids), p in zip(ids, items, params):
-            # A BeamSearchParams entry runs that prompt by beam search (outputs: its beams).
-            add = self.engine.add_beam_request if isinstance(p, BeamSearchParams) \
-                else self.engine.add_request
-            add(request_id, token_ids, p, text)
-        return self._run(ids, use_tqdm, on_output)
+        failed = {}
+        try:
+            for request_id, item, p in zip(ids, items, params):
+                if item.error is not None:
+                    failed[request_id] = _failed_output(request_id, item)
+                    continue
+                # A BeamSearchParams entry runs that prompt by beam search (outputs: its beams).
+                add = self.engine.add_beam_request if isinstance(p, BeamSearchParams) \
+                    else self.engine.add_request
+                add(request_id, item.token_ids, p, item.text)
+        except BaseException:
+            # All or nothing: a call that raises leaves none of its requests queued, or the
+            # next generate() would run (and return) them.
+            self.engine.abort_all()
+            raise
+        return self._run(ids, use_tqdm, on_output, failed)
 
     def chat(self, conversations: Conversation | list[Conversation],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -99,11 +118,9 @@ class LLM:
         """Applies the tokenizer's chat template (with the generation prompt) and generates."""
         single = bool(conversations) and isinstance(conversations[0], dict)  # one conversation
         batch = [conversations] if single else list(conversations)
-        prompts = []
-        for conversation in batch:
-            text, ids = encode_chat(self.loaded.tokenizer, conversation)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm, on_output, request_ids)
+        tokenizer = self.loaded.tokenizer
+        items = [encode_isolated(lambda c=conversation: encode_chat(tokenizer, c)) for conversation in batch]
+        return self._generate(items, sampling_params, use_tqdm, on_output, request_ids)
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[BeamSearchOutput]:
@@ -111,10 +128,8 @@ class LLM:
         `beam_width` beams, best first. All prompts' beams run in the same batches; beams share
         their common blocks and fork / drop them in place (docs/branching.md)."""
         items = normalize_prompts(prompts, self.loaded.tokenizer)
-        ids = self._request_ids(None, len(items))
-        for request_id, (text, token_ids) in zip(ids, items):
-            self.engine.add_beam_request(request_id, token_ids, params, text)
-        return [BeamSearchOutput.from_request_output(o) for o in self._run(ids, use_tqdm, None)]
+        outputs = self._generate(items, params, use_tqdm, None, None)
+        return [BeamSearchOutput.from_request_output(o) for o in outputs]
 
     # --- tree rollouts (pagedgen/tree.py) ---
     def tree_root(self, prompt: Prompt) -> TreeNode:
@@ -122,8 +137,9 @@ class LLM:
         items = normalize_prompts(prompt, self.loaded.tokenizer)
         if len(items) != 1:
             raise ValueError(f"tree_root takes one prompt, got {len(items)}")
-        token_ids = items[0][1]
-        return self._tree.root(token_ids)
+        if items[0].error is not None:
+            raise ValueError(items[0].error)
+        return self._tree.root(items[0].token_ids)
 
     def extend(self, nodes: TreeNode | list[TreeNode], k: int = 1, max_tokens: int = 16,
                sampling_params: SamplingParams | None = None) -> list[list[TreeNode]]:
@@ -151,10 +167,17 @@ class LLM:
         return ids
 
     def _run(self, ids: list[str], use_tqdm: bool,
-             on_output: Callable[[RequestOutput], None] | None) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
+             on_output: Callable[[RequestOutput], None] | None,
+             failed: dict[str, RequestOutput] | None = None) -> list[RequestOutput]:
+        failed = failed or {}
+        done = dict(failed)
         try:
             with GenerationProgress(len(ids), self.runner.num_blocks, use_tqdm) as progress:
+                for output in failed.values():
+                    if on_output is not None:
+                        on_output(output)
+                if failed:
+                    progress.update(len(failed), self.engine.stats.generated_tokens, 0)
                 while self.engine.has_unfinished():
                     finished = self.engine.step()
                     for output in finished:
@@ -178,6 +201,12 @@ class LLM:
     def stats(self) -> dict[str, int]:
         """Engine and scheduler counters (steps, tokens, preemptions, recomputed tokens...)."""
         return {**asdict(self.engine.stats), **asdict(self.engine.scheduler.stats)}
+
+
+def _failed_output(request_id: str, item: EncodedPrompt) -> RequestOutput:
+    """The answer of a prompt that could not be encoded (the engine's rejection format)."""
+    return RequestOutput(request_id, item.text, [], [], True, Usage(0, 0, 0),
+                         f"request {request_id!r}: {item.error}")
 
 
 def _set_threads(threads: int | None) -> None:

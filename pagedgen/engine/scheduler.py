@@ -283,6 +283,9 @@ def rejection_reason(prompt_token_ids: list[int], params: SamplingParams, max_mo
                 "token); raise --max-model-len or shorten the prompt")
     if vocab_size is not None and (min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size):
         return f"prompt token ids must be in [0, {vocab_size}) for this model"
+    if vocab_size is not None and (params.logprobs or 0) > vocab_size:
+        return (f"logprobs={params.logprobs} asks for more alternatives than the model's "
+                f"{vocab_size} tokens")
     max_tokens = min(params.max_tokens, max_model_len - n)
     # The last generated token is returned but never stored, hence the - 1.
     needed = -(-(n + max_tokens - 1) // block_size)

@@ -17,6 +17,7 @@ from rich.table import Table
 from pagedgen.defaults import default_kv_memory
 from pagedgen.memory.block_map import build_pool_map, recorded_tables, token_address
 from pagedgen.memory.render import human_bytes
+from pagedgen.memory.report_schema import validate_report
 from pagedgen.memory.render_map import address_table, block_tables_table, pool_map_renderable
 from pagedgen.memory.sizing import KVShape, pool_sizing, read_model_shape, sizing_dict
 
@@ -101,7 +102,7 @@ def load_report(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"--report {path}: cannot read a memory report: {exc}") from None
     if not isinstance(report, dict) or "pool" not in report or "peak_block_tables" not in report:
         raise ValueError(f"--report {path}: not a pagedgen memory report (no pool / peak_block_tables)")
-    return report
+    return validate_report(report, f"--report {path}")
 
 
 def inspect_report(report: dict[str, Any], step: int | None = None, request: str | None = None,

@@ -6,10 +6,13 @@ Both spellings are accepted here so that folders saved by either version load.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pagedgen.model.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -39,8 +42,16 @@ def usable_context(max_positions: int, sliding_window: int | None) -> int:
     return min(limit, int(sliding_window)) if sliding_window else limit
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(ModelLoadError):
     """The checkpoint describes a model this runtime cannot run; the message says why."""
+
+
+# Upper bounds far above every released model (largest vocabularies ~260k, longest contexts
+# ~10M positions), so that an absurd config value is refused before anything is allocated
+# for it (the RoPE table alone is max_position_embeddings x head_dim floats).
+FIELD_LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 18,
+                "num_layers": 1024, "num_heads": 1024, "num_kv_heads": 1024, "head_dim": 1024,
+                "max_position_embeddings": 1 << 24}
 
 
 @dataclass(slots=True)
@@ -92,11 +103,19 @@ def _validate(cfg: ModelConfig) -> None:
         raise UnsupportedModelError(
             f"architecture {cfg.architecture!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim", "max_position_embeddings"):
+    for name, limit in FIELD_LIMITS.items():
         value = getattr(cfg, name)
-        if not isinstance(value, int) or value <= 0:
-            raise UnsupportedModelError(f"config field {name} must be a positive integer, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise UnsupportedModelError(f"config field {name} must be a positive integer, "
+                                        f"got {_shown(value)}")
+        if value > limit:
+            raise UnsupportedModelError(f"config field {name}={value} is beyond any real model "
+                                        f"(at most {limit}); the config is corrupt")
+    for name in ("rms_norm_eps", "rope_theta"):
+        value = getattr(cfg, name)
+        if not isinstance(value, float) or not math.isfinite(value) or value <= 0:
+            raise UnsupportedModelError(f"config field {name} must be a positive finite number, "
+                                        f"got {_shown(value)}")
     if cfg.num_heads % cfg.num_kv_heads:
         raise UnsupportedModelError(
             f"num_heads ({cfg.num_heads}) must be a multiple of num_kv_heads ({cfg.num_kv_heads})")
@@ -106,3 +125,8 @@ def _validate(cfg: ModelConfig) -> None:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

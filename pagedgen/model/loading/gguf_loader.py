@@ -17,6 +17,7 @@ import torch
 from gguf.quants import dequantize
 
 from pagedgen.model.config import ModelConfig, UnsupportedModelError, usable_context
+from pagedgen.model.errors import ModelLoadError
 from pagedgen.model.loading.gguf_file import GgufFile, GgufTensor, read_gguf
 
 GGUF_ARCHITECTURES = {
@@ -52,7 +53,7 @@ def open_gguf(path: Path) -> GgufFile:
     try:
         return read_gguf(path)
     except (ValueError, OSError, struct.error) as error:  # struct.error: a truncated header
-        raise ValueError(f"cannot read GGUF file {path}: {error}") from error
+        raise ModelLoadError(f"cannot read GGUF file: {error}", path) from error
 
 
 def field(reader: GgufFile, key: str, default=None):
@@ -89,7 +90,7 @@ def gguf_model_config(reader: GgufFile) -> ModelConfig:
         num_layers=required("block_count"),
         num_heads=heads,
         num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=int(field(reader, f"{arch}.attention.key_length", _per_head(hidden, heads))),
         rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(reader, arch),
@@ -100,6 +101,10 @@ def gguf_model_config(reader: GgufFile) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         attention_output_bias="blk.0.attn_output.bias" in names,
     )
+
+
+def _per_head(hidden: int, heads: int) -> int:
+    return hidden // heads if heads > 0 else 0   # 0: ModelConfig names the bad head count
 
 
 def _rope_scaling(reader: GgufFile, arch: str) -> dict | None:

@@ -29,7 +29,7 @@ def model_config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         num_layers=_required(raw, "num_hidden_layers"),
         num_heads=num_heads,
         num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-        head_dim=raw.get("head_dim") or hidden_size // num_heads,
+        head_dim=raw.get("head_dim") or _per_head(hidden_size, num_heads),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -40,6 +40,13 @@ def model_config_from_hf(raw: dict[str, Any]) -> ModelConfig:
         qk_norm=architecture == "Qwen3ForCausalLM",
         attention_output_bias=bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
     )
+
+
+def _per_head(hidden_size: Any, num_heads: Any) -> Any:
+    """hidden / heads, or the bad value itself for ModelConfig's check to name."""
+    if not isinstance(num_heads, int) or num_heads <= 0:
+        return num_heads
+    return hidden_size // num_heads if isinstance(hidden_size, int) else hidden_size
 
 
 def _architecture(raw: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from pagedgen.model.config import ModelConfig
+from pagedgen.model.errors import ModelLoadError, load_errors_named
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -26,20 +27,23 @@ def is_hf_folder(path: Path) -> bool:
 def read_hf_config(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
     """(ModelConfig, the raw config.json mapping)."""
     config_path = folder / "config.json"
-    try:
-        raw = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"cannot read {config_path}: {error}") from error
-    return ModelConfig.from_hf_dict(raw), raw
+    with load_errors_named(config_path):
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"must hold a JSON object, not a {type(raw).__name__}")
+        return ModelConfig.from_hf_dict(raw), raw
 
 
 def safetensors_files(folder: Path) -> list[Path]:
     """The weight files of the folder, from the shard index when there is one."""
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map") or {}
-        if not weight_map:
-            raise ValueError(f"{index} has no weight_map")
+        with load_errors_named(index):
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map") or {}
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ModelLoadError("has no weight_map")
+            if not all(isinstance(name, str) and "/" not in name for name in weight_map.values()):
+                raise ModelLoadError("weight_map must name shard files of this folder")
         return [folder / name for name in sorted(set(weight_map.values()))]
     if (folder / SINGLE_FILE).is_file():
         return [folder / SINGLE_FILE]
@@ -52,11 +56,27 @@ def safetensors_files(folder: Path) -> list[Path]:
     raise ValueError(f"{folder} has no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file")
 
 
+def open_safetensors(folder: Path) -> list[Path]:
+    """The weight files, each header read and checked (a truncated or garbage file is named
+    here, before anything is allocated for the model)."""
+    files = safetensors_files(folder)
+    for path in files:
+        if not path.is_file():
+            raise ModelLoadError(f"shard {path.name} listed in {INDEX_FILE} is missing", folder)
+        with load_errors_named(path):
+            safe_open(path, framework="pt").keys()
+    return files
+
+
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every shard, one at a time (memory-mapped)."""
     for path in safetensors_files(folder):
         if not path.is_file():
             raise ValueError(f"shard {path.name} listed in {INDEX_FILE} is missing from {folder}")
-        with safe_open(path, framework="pt") as reader:
-            for name in reader.keys():
-                yield name, reader.get_tensor(name)
+        with load_errors_named(path):   # truncated or garbage files: safetensors' own errors
+            reader = safe_open(path, framework="pt")
+            names = list(reader.keys())
+        for name in names:
+            with load_errors_named(path):
+                tensor = reader.get_tensor(name)
+            yield name, tensor   # outside: the consumer's errors are not this file's

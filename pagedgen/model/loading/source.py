@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from pagedgen.model.config import ModelConfig
+from pagedgen.model.errors import load_errors_named
 from pagedgen.model.loading.default_model import DEFAULT_MODEL_NAME, default_model_path
 from pagedgen.model.loading.safetensors_loader import is_hf_folder, read_hf_config
 
@@ -50,8 +51,9 @@ def _single_gguf(path: Path) -> Path | None:
 
 def read_model_config(source: ModelSource) -> ModelConfig:
     """The ModelConfig the loader would build (config.json, or the GGUF header and tensor list)."""
-    if source.kind == "hf":
-        return read_hf_config(source.path)[0]
-    from pagedgen.model.loading.gguf_loader import gguf_model_config, open_gguf
+    with load_errors_named(source.path):
+        if source.kind == "hf":
+            return read_hf_config(source.path)[0]
+        from pagedgen.model.loading.gguf_loader import gguf_model_config, open_gguf
 
-    return gguf_model_config(open_gguf(source.path))
+        return gguf_model_config(open_gguf(source.path))

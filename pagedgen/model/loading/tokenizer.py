@@ -4,30 +4,75 @@ For GGUF, PreTrainedTokenizerFast.from_pretrained(dir, gguf_file=...) builds the
 tokenizer as AutoTokenizer in ~0.4 s instead of ~4 s: AutoTokenizer first resolves a model
 config, which parses the whole file again with gguf's slow reader (measured on the default
 model; tests check both give the same ids).
+
+Every call passes trust_remote_code=False: a folder whose tokenizer_config.json has an
+`auto_map` would otherwise make transformers ask on the terminal whether to run the folder's
+Python, one keystroke away from executing it. With False it never asks and never runs it:
+such a folder loads its plain tokenizer.json, or is refused with a clear message.
+
+A GGUF file carries its own tokenizer, and that is the one used: transformers reads the
+folder around `gguf_file` too, so it is given a private folder holding only the file, and a
+tokenizer.json that happens to lie next to the GGUF (another model's) cannot slip in.
 """
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from pagedgen.model.errors import ModelLoadError, load_errors_named
+
 
 def load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                             trust_remote_code=False)
     except (OSError, ValueError) as error:
-        raise ValueError(f"cannot load a tokenizer from {folder} (tokenizer.json / "
-                         f"tokenizer_config.json expected): {error}") from error
+        if "custom code" in str(error):   # transformers' text would advise trust_remote_code=True
+            reason = ("its tokenizer_config.json asks for the folder's own Python code "
+                      "(auto_map / tokenizer_class), and custom tokenizer code is never run; "
+                      "give the folder a plain tokenizer.json and a standard tokenizer_class")
+        else:
+            reason = (f"cannot load a tokenizer (tokenizer.json / tokenizer_config.json expected): "
+                      f"{_first_line(error)}")
+        raise ModelLoadError(reason, folder) from error
 
 
 def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     try:
-        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                       local_files_only=True)
-    except (OSError, ValueError, KeyError) as error:
-        raise ValueError(f"cannot build a tokenizer from GGUF file {path}: {error}") from error
+        with tempfile.TemporaryDirectory(prefix="pagedgen-gguf-") as alone:
+            (Path(alone) / path.name).symlink_to(path.resolve())
+            return PreTrainedTokenizerFast.from_pretrained(alone, gguf_file=path.name,
+                                                           local_files_only=True,
+                                                           trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ModelLoadError(f"cannot build a tokenizer from the GGUF file: {_first_line(error)}",
+                             path) from error
+
+
+def matching_tokenizer(folder: Path, embedded: PreTrainedTokenizerBase,
+                       gguf_path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of `folder`, asked for explicitly next to a GGUF file: it must have the
+    file's own vocabulary (same token for every id), else the ids would mean other words."""
+    chosen = load_folder_tokenizer(folder)
+    ours, theirs = chosen.get_vocab(), embedded.get_vocab()
+    if ours != theirs:
+        ours_by_id = {i: t for t, i in ours.items()}
+        theirs_by_id = {i: t for t, i in theirs.items()}
+        differing = min((i for i in ours_by_id.keys() | theirs_by_id.keys()
+                         if ours_by_id.get(i) != theirs_by_id.get(i)), default=None)
+        raise ModelLoadError(
+            f"the tokenizer of {folder} ({len(ours)} tokens) does not match the vocabulary "
+            f"embedded in the GGUF file ({len(theirs)} tokens; first differing id: {differing}); "
+            "leave the tokenizer unset to use the file's own", gguf_path)
+    return chosen
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def folder_eos_token_ids(folder: Path, raw_config: dict[str, Any]) -> list[int]:
@@ -35,7 +80,11 @@ def folder_eos_token_ids(folder: Path, raw_config: dict[str, Any]) -> list[int]:
     ids = _as_list(raw_config.get("eos_token_id"))
     generation_config = folder / "generation_config.json"
     if generation_config.is_file():
-        ids += _as_list(json.loads(generation_config.read_text()).get("eos_token_id"))
+        with load_errors_named(generation_config):
+            raw = json.loads(generation_config.read_text(encoding="utf-8"))
+            if not isinstance(raw, dict):
+                raise ModelLoadError(f"must hold a JSON object, not a {type(raw).__name__}")
+            ids += _as_list(raw.get("eos_token_id"))
     return ids
 
 

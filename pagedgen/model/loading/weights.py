@@ -10,12 +10,13 @@ from collections.abc import Iterable
 
 import torch
 
+from pagedgen.model.errors import ModelLoadError
 from pagedgen.model.layers.llama import LlamaDecoder
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints saved this buffer
 
 
-class WeightLoadError(ValueError):
+class WeightLoadError(ModelLoadError):
     """A checkpoint does not match the model its config describes."""
 
 
