@@ -22,6 +22,8 @@ from pagedgen.engine.seq_info import SeqMemInfo
 from pagedgen.engine.outputs import CompletionOutput, Logprob, RequestOutput, Usage
 from pagedgen.engine.sampler import Sampler, SamplerOutput, build_batch
 from pagedgen.engine.sampling_params import SamplingParams
+from pagedgen.engine.prompt_logprobs import record_prompt_logprobs
+from pagedgen.engine.structured_outputs import GrammarBackend, InvalidConstraintError, backend_for
 
 
 class Runner(Protocol):
@@ -77,6 +79,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._next_seq_id = 0
         self._rejected: list[RequestOutput] = []
+        self.grammar: GrammarBackend | None = None   # made by the first structured request
 
     # --- requests in ---
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -89,11 +92,28 @@ class LLMEngine:
         reason = rejection_reason(prompt_token_ids, params, self.config.max_model_len,
                                   self.runner.block_size, self.runner.num_blocks,
                                   self._vocab_size())
+        if reason is None and params.structured_outputs is not None:
+            reason = self._compile_constraint(group)
         if reason is not None:
             self._rejected.append(_failed_output(group, reason))
             return
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]   # nothing predicts the first prompt token
         group.seqs.append(self._new_sequence(group))
         self.scheduler.add(group.seqs[0])
+
+    def _compile_constraint(self, group: SequenceGroup) -> str | None:
+        """Compiles the request's structured_outputs (cached); the reason when it is invalid."""
+        if self.tokenizer is None:
+            return "structured_outputs needs a tokenizer"
+        try:
+            if self.grammar is None:
+                vocab = self._vocab_size() or len(self.tokenizer)
+                self.grammar = backend_for(self.tokenizer, vocab, sorted(self.eos_token_ids))
+            group.grammar = self.grammar.compile(group.params.structured_outputs)
+        except InvalidConstraintError as exc:
+            return str(exc)
+        return None
 
     def _vocab_size(self) -> int | None:
         return getattr(getattr(self.runner, "config", None), "vocab_size", None)
@@ -111,6 +131,8 @@ class LLMEngine:
                        make_generator(group.params.seed, 0, self.device),
                        SeqMemInfo(seq_id, group.request_id, 0, 0, prompt_len, group.max_tokens))
         seq.start_outputs(self.tokenizer)
+        if group.grammar is not None:
+            seq.matcher = self.grammar.new_matcher(group.grammar)
         return seq
 
     def _take_seq_id(self) -> int:
@@ -151,14 +173,24 @@ class LLMEngine:
     def _run(self, scheduled: SchedulerOutput) -> list[Sequence]:
         """Forward, fork, sample, append; returns the sequences that finished."""
         logits = self.runner.execute(scheduled.chunks, scheduled.copies)
+        if any(c.prompt_logprobs for c in scheduled.chunks):
+            record_prompt_logprobs(self.runner, scheduled.seqs, scheduled.chunks)
         sampled = [s for s, c in zip(scheduled.seqs, scheduled.chunks) if c.sample]
         if not sampled:
             return []
         rows, row_index = self._fork_where_due(sampled)
         if row_index is not None:
             logits = logits.index_select(0, torch.tensor(row_index, device=logits.device))
+        if self.grammar is not None:
+            self._mask_by_grammar(rows, logits)
         batch = build_batch(rows, logits.shape[-1], logits.device)
         return self._append_tokens(rows, self.sampler(logits, batch), batch.logprob_rows)
+
+    def _mask_by_grammar(self, rows: list[Sequence], logits: torch.Tensor) -> None:
+        """Forbidden tokens of constrained rows -> -inf (all rows at once); the others untouched."""
+        constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
+        if constrained:
+            self.grammar.mask_logits(logits, constrained, [rows[i].matcher for i in constrained])
 
     def _fork_where_due(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
         """n > 1 groups whose prompt just finished fork now; every sample then draws its first
@@ -193,6 +225,10 @@ class LLMEngine:
             if seq.group.first_token_time is None:
                 seq.group.first_token_time = now
             decision = self._stop_decision(seq, token)
+            if seq.matcher is not None and not seq.matcher.consume_token(token):
+                # Only when nothing was allowed (e.g. min_tokens banning the EOS that the
+                # finished grammar requires): the output so far is complete, so stop there.
+                decision = decision or StopDecision("stop", None)
             if decision is not None:
                 _mark_finished(seq, decision)
                 done.append(seq)
@@ -221,8 +257,10 @@ class LLMEngine:
                       group.cached_prompt_tokens or 0)
         metrics = {"arrival_time": group.arrival_time, "finished_time": time.monotonic(),
                    "first_token_time": group.first_token_time or 0.0}
+        if group.prompt_logprobs and self.tokenizer is not None:
+            _decode_logprob_tokens(self.tokenizer, group.prompt_logprobs[1:])
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             True, usage, None, metrics)
+                             True, usage, None, metrics, group.prompt_logprobs)
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         text = final_text(self.tokenizer, seq)

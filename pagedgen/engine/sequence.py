@@ -57,6 +57,15 @@ class SequenceGroup:
     forked: bool = False                  # n > 1 groups fork once, after their prefill
     cached_prompt_tokens: int | None = None  # from the first admission only
     first_token_time: float | None = None
+    grammar: Any = None                   # compiled structured_outputs constraint, if any
+    # [None, {token: Logprob}, ...] as far as computed; None when not asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt positions are still to be scored (then prefix-cache hits are skipped)."""
+        logprobs = self.prompt_logprobs
+        return logprobs is not None and len(logprobs) < len(self.prompt_token_ids)
 
     @property
     def needs_fork(self) -> bool:
@@ -91,6 +100,7 @@ class Sequence:
     text: str | None = None               # set while detokenizing (stop strings) and at finish
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    matcher: Any = None                   # this sample's position in its group's grammar
 
     @property
     def params(self) -> SamplingParams:
@@ -127,6 +137,8 @@ class Sequence:
             self.status, self.num_computed, self.high_water)
         # Forks happen before the first output token, so the child starts where the parent did.
         child.start_outputs(self.detokenizer.tokenizer if self.detokenizer is not None else None)
+        if self.matcher is not None:
+            child.matcher = self.matcher.deep_copy()   # its own grammar state from here on
         return child
 
     def start_outputs(self, tokenizer: Any) -> None:
