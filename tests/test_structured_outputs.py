@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pagedgen import LLM, SamplingParams, StructuredOutputsParams
-from pagedgen.engine.structured_outputs import unpack_bitmask
+from pagedgen.engine.structured_outputs import forbidden_tokens
 from tiny_models import tiny_hf_model, tiny_model_dir
 
 SCHEMA = {
@@ -138,11 +138,11 @@ def test_greedy_constrained_is_greedy_unconstrained_wherever_allowed():
     assert 0 < agreed < len(tokens)   # both cases happened
 
 
-def test_unpack_bitmask_reads_bit_j_of_word_w_as_token_32w_plus_j():
+def test_the_bitmask_allows_token_32w_plus_j_by_bit_j_of_word_w():
     words = torch.tensor([[1 - 2 ** 31, 0, -(2 ** 31)]], dtype=torch.int32)  # bits 0+31, -, 31
-    allowed = unpack_bitmask(words, 70).nonzero()[:, 1].tolist()
+    allowed = (~forbidden_tokens(words, 70)).nonzero()[:, 1].tolist()
     assert allowed == [0, 31]                       # bit 31 of word 2 is token 95 > vocab 70
-    assert unpack_bitmask(words, 96).nonzero()[:, 1].tolist() == [0, 31, 95]
+    assert (~forbidden_tokens(words, 96)).nonzero()[:, 1].tolist() == [0, 31, 95]
 
 
 # --- with the rest of the engine ---

@@ -32,8 +32,10 @@ from pagedgen.engine.structured_params import StructuredOutputsParams
 
 INSTALL_HINT = "structured outputs need llguidance: pip install 'pagedgen[structured]'"
 
-# Bit j of byte b allows token 8*b + j (the int32 mask words, little-endian, seen as bytes).
-_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+# Bit j of byte b allows token 8*b + j (the int32 mask words, little-endian, seen as bytes):
+# row b of this table is True where a token of that byte is forbidden.
+_BYTE_BANS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1) == 0
+_NEG_INF_BITS = -8388608   # 0xFF800000 as an int32: the bits of float32 -inf
 
 _backends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _backends_lock = threading.Lock()
@@ -108,10 +110,11 @@ class GrammarBackend:
         bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
         self._executor.unsafe_compute_mask_ptr(list(zip(matchers, range(len(rows)))),
                                                bitmask.data_ptr(), words * 4, len(rows))
-        allowed = unpack_bitmask(bitmask, logits.shape[-1]).to(logits.device)
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        selected = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-        logits.index_copy_(0, index, selected)
+        penalty = additive_mask(forbidden_tokens(bitmask, logits.shape[-1])).to(logits.device)
+        if len(rows) == logits.shape[0]:    # every row constrained
+            logits.add_(penalty)
+        else:
+            logits.index_add_(0, torch.tensor(rows, device=logits.device), penalty)
 
 
 def _grammar_text(llg: Any, spec: StructuredOutputsParams) -> str:
@@ -138,10 +141,19 @@ def _invalid(spec: StructuredOutputsParams, message: str) -> InvalidConstraintEr
     return InvalidConstraintError(f"invalid structured_outputs.{spec.kind}: {_first_lines(message)}")
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 [rows, words] bitmask -> bool [rows, vocab_size], through a 256-entry byte table."""
+def additive_mask(forbidden: torch.Tensor) -> torch.Tensor:
+    """float32 -inf where forbidden, +0.0 elsewhere, built from the int32 bit pattern of -inf.
+
+    Adding it is branch-free; masked_fill_ / where branch per element and measured several
+    times slower on CPU when allowed and forbidden tokens interleave."""
+    return forbidden.to(torch.int32).mul_(_NEG_INF_BITS).view(torch.float32)
+
+
+def forbidden_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [rows, words] bitmask (bit set = allowed) -> bool [rows, vocab_size], True where
+    forbidden; one lookup in a 256-entry byte table instead of 32 shifts per word."""
     as_bytes = bitmask.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
-    return _BYTE_BITS.index_select(0, as_bytes).reshape(bitmask.shape[0], -1)[:, :vocab_size]
+    return _BYTE_BANS.index_select(0, as_bytes).reshape(bitmask.shape[0], -1)[:, :vocab_size]
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:
