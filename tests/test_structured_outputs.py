@@ -37,8 +37,8 @@ SCHEMA = {
 REGEX = r"[a-z]{2,6}-[0-9]{2,4}"
 CHOICES = ["yes", "no", "maybe so", "ça dépend"]
 # GBNF-style EBNF, as vLLM's grammar= takes it.
-GRAMMAR = 'root ::= num (" + " num)*\nnum ::= [1-9] [0-9]?'
-GRAMMAR_REGEX = r"[1-9][0-9]?( \+ [1-9][0-9]?)*"
+GRAMMAR = 'root ::= num | sum\nsum ::= num " + " num | num " + " num " + " num\nnum ::= [1-9] [0-9]?'
+GRAMMAR_REGEX = r"[1-9][0-9]?( \+ [1-9][0-9]?){0,2}"
 PROMPTS = ["Person record:", "def f(x):", "The answer is", "JSON"]
 
 
@@ -92,8 +92,18 @@ def test_choice_samples_are_one_of_the_choices():
     assert len(set(outputs)) > 1
 
 
+def test_a_complete_grammar_ends_the_sample_even_with_ignore_eos():
+    params = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(choice=CHOICES))
+    tokenizer = shared_llm().get_tokenizer()
+    for output in generate(params, count=8):
+        sample = output.outputs[0]
+        assert sample.finish_reason == "stop" and sample.text in CHOICES
+        assert tokenizer.decode(sample.token_ids) == sample.text    # no EOS was needed
+
+
 def test_ebnf_grammar_samples_match():
-    params = SamplingParams(temperature=1.0, max_tokens=60, stop_token_ids=[],
+    params = SamplingParams(temperature=1.0, max_tokens=60,
                             structured_outputs=StructuredOutputsParams(grammar=GRAMMAR))
     for output in generate(params, count=16):
         sample = output.outputs[0]

@@ -225,10 +225,8 @@ class LLMEngine:
             if seq.group.first_token_time is None:
                 seq.group.first_token_time = now
             decision = self._stop_decision(seq, token)
-            if seq.matcher is not None and not seq.matcher.consume_token(token):
-                # Only when nothing was allowed (e.g. min_tokens banning the EOS that the
-                # finished grammar requires): the output so far is complete, so stop there.
-                decision = decision or StopDecision("stop", None)
+            if decision is None and seq.matcher is not None and not _grammar_continues(seq, token):
+                decision = StopDecision("stop", None)
             if decision is not None:
                 _mark_finished(seq, decision)
                 done.append(seq)
@@ -292,6 +290,14 @@ def _record_logprobs(seq: Sequence, token: int, result: SamplerOutput, j: int) -
         entry[token] = Logprob(result.logprobs[j], result.ranks[j])
     seq.logprobs.append(entry)
     seq.cumulative_logprob += result.logprobs[j]
+
+
+def _grammar_continues(seq: Sequence, token: int) -> bool:
+    """Feeds the token to the sample's matcher; False when the grammar is complete (nothing
+    but EOS could follow: finish now, as EOS would) or, only when the mask left nothing to
+    choose (min_tokens banning the EOS a finished grammar needs), rejected the token."""
+    matcher = seq.matcher
+    return matcher.consume_token(token) and not matcher.is_stopped()
 
 
 def _mark_finished(seq: Sequence, decision: StopDecision) -> None:
