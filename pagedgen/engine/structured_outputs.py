@@ -173,6 +173,6 @@ def _schema_text(schema: dict | str) -> str:
 
 
 def _first_lines(message: str, limit: int = 300) -> str:
-    """The library's message without its "[time] source.cc:line: " prefix, on one line."""
+    """The head of the library's message (it may append a state dump), on one line."""
     text = " ".join(line.strip() for line in message.strip().splitlines()[:3])
     return text if len(text) <= limit else text[:limit] + "..."
