@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "pagedgen.llm",
     "SamplingParams": "pagedgen.engine.sampling_params",
+    "StructuredOutputsParams": "pagedgen.engine.structured_params",
     "RequestOutput": "pagedgen.engine.outputs",
     "CompletionOutput": "pagedgen.engine.outputs",
     "BeamSearchParams": "pagedgen.engine.beam_search",

@@ -118,8 +118,8 @@ def test_openai_completion_line_accepts_text_or_token_ids():
                                         "stream": True}), "body.stream = true is not supported"),
     # Values are quoted as JSON, the way they appear in the batch file.
     (batch_line(openai_batch.CHAT_URL, {"messages": [{"role": "user", "content": "x"}],
-                                        "response_format": {"type": "json_object"}}),
-     'body.response_format = {"type": "json_object"} is not supported'),
+                                        "response_format": {"type": "xml"}}),
+     'body.response_format must be {"type": "text"}'),
     (batch_line(openai_batch.COMPLETIONS_URL, {"prompt": "x", "suffix": "end"}),
      'body.suffix = "end" is not supported'),
     (batch_line(openai_batch.CHAT_URL, {"messages": [{"role": "user", "content": "x"}],

@@ -80,6 +80,25 @@ def _optional_logprobs(value: Any) -> int | None:
     return value
 
 
+def _structured_outputs(value: Any) -> dict[str, Any]:
+    """Shape only ({"json": ...} / {"regex": ...} / ...); a schema or regex that does not
+    compile fails its line when the model's tokenizer compiles it."""
+    from pagedgen.engine.structured_params import StructuredOutputsParams
+
+    try:
+        StructuredOutputsParams.from_dict(value)
+    except ValueError as exc:
+        raise ValueError(f"is invalid: {exc}") from None
+    return value
+
+
+def _optional_prompt_logprobs(value: Any) -> int | None:
+    if value is not None and (not is_int(value) or not 0 <= value <= 20):
+        raise ValueError("must be an integer in [0, 20] (top alternatives per prompt token) "
+                         "or null")
+    return value
+
+
 SAMPLING_FIELDS: dict[str, Callable[[Any], Any]] = {
     "n": int_at_least(1),
     "max_tokens": int_at_least(1),
@@ -98,6 +117,8 @@ SAMPLING_FIELDS: dict[str, Callable[[Any], Any]] = {
     "presence_penalty": _number_in(-2.0, 2.0),
     "frequency_penalty": _number_in(-2.0, 2.0),
     "repetition_penalty": _number_in(0.0, 100.0, low_open=True),
+    "structured_outputs": _structured_outputs,
+    "prompt_logprobs": _optional_prompt_logprobs,
 }
 
 

@@ -28,13 +28,14 @@ LINE_KEYS = ("custom_id", "method", "url", "body")
 
 # Body fields with the same meaning in SamplingParams (the last six are vLLM's extensions).
 _DIRECT = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "stop",
-           "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids")
+           "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+           "structured_outputs", "prompt_logprobs")
 # Fields that do not change what is generated offline: accepted and ignored, so existing
 # batch files run unchanged ("model" is whatever the config loads).
 _IGNORED = ("model", "user", "metadata", "store", "service_tier", "stream_options")
 # Fields accepted only at their no-op value.
 _NO_OP = {"stream": (False,), "echo": (False,), "best_of": (None, 1), "logit_bias": (None, {}),
-          "suffix": (None, ""), "response_format": (None, {"type": "text"})}
+          "suffix": (None, "")}
 
 
 @dataclass(slots=True)
@@ -100,11 +101,41 @@ def _sampling(url: str, body: dict[str, Any]) -> dict[str, Any]:
     logprobs = _logprobs(url, body)
     if logprobs is not None:
         sampling["logprobs"] = logprobs
+    structured = _response_format(body.get("response_format"))
+    if structured is not None:
+        if "structured_outputs" in sampling:
+            raise ValueError("give body.response_format or body.structured_outputs, not both")
+        sampling["structured_outputs"] = structured
     return sampling
 
 
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format -> structured_outputs ("strict" is always on here: the
+    output is constrained to the schema whatever it says)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise ValueError('body.response_format must be {"type": "text"}, {"type": '
+                         '"json_object"} or {"type": "json_schema", "json_schema": {...}}, '
+                         f"got {_json(value)}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ValueError("body.response_format.json_schema must be an object with a 'name' "
+                         "and a 'schema'")
+    schema = spec.get("schema")
+    if schema is None:
+        return {"json_object": True}
+    if not isinstance(schema, dict):
+        raise ValueError("body.response_format.json_schema.schema must be a JSON schema object, "
+                         f"got {_json(schema)}")
+    return {"json": schema}
+
+
 def _check_body_keys(url: str, body: dict[str, Any]) -> None:
-    known = {*_DIRECT, *_IGNORED, "max_tokens", "max_completion_tokens", "logprobs",
+    known = {*_DIRECT, *_IGNORED, "max_tokens", "max_completion_tokens", "logprobs", "response_format",
              "messages" if url == CHAT_URL else "prompt", *(("top_logprobs",) if url == CHAT_URL else ())}
     for key, value in body.items():
         if key in _NO_OP:
@@ -157,13 +188,15 @@ def _choice(url: str, sample: SampleResult) -> dict[str, Any]:
 
 
 def response_record(custom_id: str, url: str, model: str, samples: list[SampleResult],
-                    usage: dict[str, Any]) -> dict[str, Any]:
-    """A successful batch output line."""
+                    usage: dict[str, Any], prompt_logprobs: list | None = None) -> dict[str, Any]:
+    """A successful batch output line (prompt_logprobs: vLLM's extension of the body)."""
     chat = url == CHAT_URL
     body = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model,
             "choices": [_choice(url, s) for s in samples], "usage": usage}
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
     return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body},
             "error": None}

@@ -55,6 +55,8 @@ class RequestResult:
     samples: list[SampleResult]
     model: str = ""
     cached_prompt_tokens: int = 0    # prompt tokens served from the prefix cache
+    # vLLM's JSON shape: [null, {"<token id>": {"logprob", "rank", "decoded_token"}}, ...]
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
     @property
     def usage(self) -> dict[str, int]:
@@ -85,10 +87,13 @@ def result_record(result: RequestResult) -> dict[str, Any]:
     if request.openai_url is not None:
         usage = {**result.usage, "prompt_tokens_details": {"cached_tokens": result.cached_prompt_tokens}}
         return openai_batch.response_record(str(request.id), request.openai_url, result.model,
-                                            result.samples, usage)
-    return {"id": request.id, "line": request.line,
-            "outputs": [_sample_record(s) for s in result.samples],
-            "usage": {**result.usage, "cached_prompt_tokens": result.cached_prompt_tokens}}
+                                            result.samples, usage, result.prompt_logprobs)
+    record = {"id": request.id, "line": request.line,
+              "outputs": [_sample_record(s) for s in result.samples],
+              "usage": {**result.usage, "cached_prompt_tokens": result.cached_prompt_tokens}}
+    if result.prompt_logprobs is not None:
+        record["prompt_logprobs"] = result.prompt_logprobs
+    return record
 
 
 def error_record(error: RequestError) -> dict[str, Any]:

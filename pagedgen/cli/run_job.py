@@ -213,7 +213,15 @@ def to_result(prepared: Prepared, output: RequestOutput, model_name: str, tokeni
                             _token_logprobs(o, want, tokenizer), _beam_scores(o))
                for o in output.outputs]
     return RequestResult(prepared.request, len(prepared.token_ids), samples, model_name,
-                         output.usage.cached_prompt_tokens)
+                         output.usage.cached_prompt_tokens, _prompt_logprobs(output))
+
+
+def _prompt_logprobs(output: RequestOutput) -> list | None:
+    if output.prompt_logprobs is None:
+        return None
+    return [None if position is None else
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in position.items()} for position in output.prompt_logprobs]
 
 
 def _beam_scores(output: CompletionOutput) -> dict[str, float] | None:

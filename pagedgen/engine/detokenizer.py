@@ -52,6 +52,7 @@ def final_text(tokenizer: Any, seq: Any) -> str:
         return seq.text
     params = seq.params
     ids = seq.output_token_ids
-    if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
-        ids = ids[:-1]
+    if seq.finish_reason == "stop" and not params.include_stop_str_in_output and ids and (
+            ids[-1] == seq.stop_reason or ids[-1] in seq.group.eos_token_ids):
+        ids = ids[:-1]   # not after a completed grammar: its last token is text
     return tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)

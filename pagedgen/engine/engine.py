@@ -25,6 +25,8 @@ from pagedgen.engine.beam_search import BeamSearchParams, BeamState, beam_reject
 from pagedgen.engine.beam_step import run_beam_step
 from pagedgen.engine.sampler import Sampler, SamplerOutput, build_batch
 from pagedgen.engine.sampling_params import SamplingParams
+from pagedgen.engine.prompt_logprobs import record_prompt_logprobs
+from pagedgen.engine.structured_outputs import GrammarBackend, InvalidConstraintError, backend_for
 
 
 class Runner(Protocol):
@@ -83,6 +85,7 @@ class LLMEngine:
         self.kept: dict[int, Sequence] = {}   # finished sequences holding their blocks (tree nodes)
         self.kept_by_request: dict[str, list[Sequence]] = {}
         self._roots = 0                        # tree roots still being prefilled
+        self.grammar: GrammarBackend | None = None   # made by the first structured request
 
     # --- requests in ---
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -95,9 +98,13 @@ class LLMEngine:
         reason = rejection_reason(prompt_token_ids, params, self.config.max_model_len,
                                   self.runner.block_size, self.runner.num_blocks,
                                   self._vocab_size())
+        if reason is None and params.structured_outputs is not None:
+            reason = self._compile_constraint(group)
         if reason is not None:
             self._rejected.append(_failed_output(group, reason))
             return
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]   # nothing predicts the first prompt token
         group.seqs.append(self._new_sequence(group))
         self.scheduler.add(group.seqs[0])
 
@@ -169,6 +176,19 @@ class LLMEngine:
         parent.group.seqs += children
         return children
 
+    def _compile_constraint(self, group: SequenceGroup) -> str | None:
+        """Compiles the request's structured_outputs (cached); the reason when it is invalid."""
+        if self.tokenizer is None:
+            return "structured_outputs needs a tokenizer"
+        try:
+            if self.grammar is None:
+                vocab = self._vocab_size() or len(self.tokenizer)
+                self.grammar = backend_for(self.tokenizer, vocab, sorted(self.eos_token_ids))
+            group.grammar = self.grammar.compile(group.params.structured_outputs)
+        except InvalidConstraintError as exc:
+            return str(exc)
+        return None
+
     def _vocab_size(self) -> int | None:
         return getattr(getattr(self.runner, "config", None), "vocab_size", None)
 
@@ -185,6 +205,8 @@ class LLMEngine:
                        make_generator(group.params.seed, 0, self.device),
                        SeqMemInfo(seq_id, group.request_id, 0, 0, prompt_len, group.max_tokens))
         seq.start_outputs(self.tokenizer)
+        if group.grammar is not None:
+            seq.matcher = self.grammar.new_matcher(group.grammar)
         return seq
 
     def _take_seq_id(self) -> int:
@@ -240,6 +262,8 @@ class LLMEngine:
     def _run(self, scheduled: SchedulerOutput) -> list[Sequence]:
         """Forward, fork, sample, append; returns the sequences that finished."""
         logits = self.runner.execute(scheduled.chunks, scheduled.copies)
+        if any(c.prompt_logprobs for c in scheduled.chunks):
+            record_prompt_logprobs(self.runner, scheduled.seqs, scheduled.chunks)
         sampled = [s for s, c in zip(scheduled.seqs, scheduled.chunks) if c.sample]
         if not sampled:
             return []
@@ -259,8 +283,16 @@ class LLMEngine:
         rows, row_index = self._fork_where_due(sampled)
         if row_index is not None:
             logits = logits.index_select(0, torch.tensor(row_index, device=logits.device))
+        if self.grammar is not None:
+            self._mask_by_grammar(rows, logits)
         batch = build_batch(rows, logits.shape[-1], logits.device)
         return self._append_tokens(rows, self.sampler(logits, batch), batch.logprob_rows)
+
+    def _mask_by_grammar(self, rows: list[Sequence], logits: torch.Tensor) -> None:
+        """Forbidden tokens of constrained rows -> -inf (all rows at once); the others untouched."""
+        constrained = [i for i, seq in enumerate(rows) if seq.matcher is not None]
+        if constrained:
+            self.grammar.mask_logits(logits, constrained, [rows[i].matcher for i in constrained])
 
     def _fork_where_due(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
         """n > 1 groups whose prompt just finished fork now; every sample then draws its first
@@ -293,6 +325,8 @@ class LLMEngine:
             if seq.group.first_token_time is None:
                 seq.group.first_token_time = now
             decision = self._stop_decision(seq, token)
+            if decision is None and seq.matcher is not None and not _grammar_continues(seq, token):
+                decision = StopDecision("stop", None)
             if decision is not None:
                 _mark_finished(seq, decision)
                 done.append(seq)
@@ -324,8 +358,10 @@ class LLMEngine:
                       group.cached_prompt_tokens or 0)
         metrics = {"arrival_time": group.arrival_time, "finished_time": time.monotonic(),
                    "first_token_time": group.first_token_time or 0.0}
+        if group.prompt_logprobs and self.tokenizer is not None:
+            _decode_logprob_tokens(self.tokenizer, group.prompt_logprobs[1:])
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             True, usage, None, metrics)
+                             True, usage, None, metrics, group.prompt_logprobs)
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         text = final_text(self.tokenizer, seq)
@@ -369,6 +405,14 @@ def _record_logprobs(seq: Sequence, token: int, result: SamplerOutput, j: int) -
         entry[token] = Logprob(result.logprobs[j], result.ranks[j])
     seq.logprobs.append(entry)
     seq.cumulative_logprob += result.logprobs[j]
+
+
+def _grammar_continues(seq: Sequence, token: int) -> bool:
+    """Feeds the token to the sample's matcher; False when the grammar is complete (nothing
+    but EOS could follow: finish now, as EOS would) or, only when the mask left nothing to
+    choose (min_tokens banning the EOS a finished grammar needs), rejected the token."""
+    matcher = seq.matcher
+    return matcher.consume_token(token) and not matcher.is_stopped()
 
 
 def _mark_finished(seq: Sequence, decision: StopDecision) -> None:

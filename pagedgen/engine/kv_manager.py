@@ -111,8 +111,9 @@ class KVCacheManager:
         return sum(1 for block, count in holds.items() if count == self._pool.ref_count(block))
 
     # --- mutations ---
-    def admit(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Register a sequence and take its prefix-cache hits; returns the tokens served."""
+    def admit(self, seq_id: int, token_ids: Sequence[int], use_prefix_cache: bool = True) -> int:
+        """Register a sequence and take its prefix-cache hits (unless use_prefix_cache is False:
+        every token is then computed again); returns the tokens served."""
         self._require_new(seq_id, "seq_id")
         needed = self._blocks_spanned(len(token_ids))
         if needed > self.num_blocks:
@@ -121,7 +122,7 @@ class KVCacheManager:
                 f"{self.block_size} tokens but the pool has only {self.num_blocks} blocks; "
                 "give the KV cache more memory or shorten the prompt",
                 needed=needed, available=self._pool.num_free, total=self.num_blocks)
-        hits = self._prefix_hits(token_ids)
+        hits = self._prefix_hits(token_ids) if use_prefix_cache else []
         for block in hits:
             if self._pool.ref_count(block) == 0:
                 self._tokens_stored += self.block_size  # a cached block comes back into use

@@ -51,6 +51,8 @@ class RequestOutput:
     usage: Usage
     error: str | None = None           # set when the request could not be served at all
     metrics: dict[str, float] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then {token: Logprob}.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def to_dict(self) -> dict:
         """Plain JSON-ready data (Logprob entries keyed by str(token id), as JSON requires)."""
@@ -58,6 +60,9 @@ class RequestOutput:
         for output in data["outputs"]:
             if output["logprobs"] is not None:
                 output["logprobs"] = [{str(t): lp for t, lp in pos.items()} for pos in output["logprobs"]]
+        if data["prompt_logprobs"] is not None:
+            data["prompt_logprobs"] = [None if pos is None else {str(t): lp for t, lp in pos.items()}
+                                       for pos in data["prompt_logprobs"]]
         return data
 
 

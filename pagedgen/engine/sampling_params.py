@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedgen.engine.structured_params import StructuredOutputsParams
 from pagedgen.validation import is_int
 
 # vLLM defaults to 16 new tokens, which silently truncates almost every real answer. 256 is long
@@ -75,6 +76,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # The output must match this JSON schema / regex / choice / grammar (structured_params.py).
+    structured_outputs: StructuredOutputsParams | None = None
+    # Top-k logprobs of every prompt token (None for the first, which nothing predicts).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = _normalize_stop(self.stop)
@@ -83,6 +88,7 @@ class SamplingParams:
             self.top_k = 0
         self._validate_numbers()
         self._validate_flags()
+        _validate_structured_and_prompt_logprobs(self)
 
     def _validate_numbers(self) -> None:
         _check_int("n", self.n, 1)
@@ -114,6 +120,13 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+def _validate_structured_and_prompt_logprobs(params: SamplingParams) -> None:
+    if params.structured_outputs is not None:  # a plain dict (a JSONL field) is accepted too
+        params.structured_outputs = StructuredOutputsParams.from_dict(params.structured_outputs)
+    if params.prompt_logprobs is not None:
+        _check_int("prompt_logprobs", params.prompt_logprobs, 0)
 
 
 def _normalize_stop(stop: object) -> list[str]:

@@ -156,7 +156,9 @@ class Scheduler:
             seq = self.waiting[0]
             if self.running and len(self.running) + self._seats(seq) > self.max_num_seqs:
                 break
-            cached = self.kv.num_cached_prefix_tokens(seq.token_ids)
+            # Prompt logprobs need every position computed: no prefix hits then (as vLLM).
+            cached = (0 if seq.group.wants_prompt_logprobs
+                      else self.kv.num_cached_prefix_tokens(seq.token_ids))
             num_tokens = max(0, min(len(seq.token_ids) - cached - _held_back(seq), state.budget))
             if not self.kv.can_admit(seq.token_ids, num_tokens):
                 break
@@ -186,7 +188,8 @@ class Scheduler:
         self._preempt(victims, state, to_front=False)
         self._admit_waiting(state)
     def _admit(self, seq: Sequence) -> None:
-        seq.num_computed = self.kv.admit(seq.seq_id, seq.token_ids)
+        seq.num_computed = self.kv.admit(seq.seq_id, seq.token_ids,
+                                         use_prefix_cache=not seq.group.wants_prompt_logprobs)
         if seq.group.cached_prompt_tokens is None:
             seq.group.cached_prompt_tokens = seq.num_computed
         seq.status = SeqStatus.RUNNING
@@ -201,7 +204,8 @@ class Scheduler:
         self.kv.append_slots(seq.seq_id, token_ids)
         chunk = ScheduledChunk(
             token_ids=token_ids, start_pos=start,
-            block_table=self.kv.block_table(seq.seq_id), sample=end == len(seq.token_ids))
+            block_table=self.kv.block_table(seq.seq_id), sample=end == len(seq.token_ids),
+            prompt_logprobs=_scores_next_prompt_position(seq, start, end))
         self._count(seq, start, end)
         seq.num_computed = end   # advanced now: the runner computes exactly these tokens
         state.scheduled[seq.seq_id] = len(state.output.chunks)
@@ -260,6 +264,13 @@ def _held_back(seq: Sequence) -> int:
     if group.prefill_only or (group.beam is not None and len(group.beam.live) > 1):
         return 1
     return 0
+
+
+def _scores_next_prompt_position(seq: Sequence, start: int, end: int) -> bool:
+    """The chunk's rows (predicting positions start+1 .. end) include the next prompt position
+    whose logprobs are still missing."""
+    group = seq.group
+    return group.wants_prompt_logprobs and start < len(group.prompt_logprobs) <= end
 
 
 def check_step_budget(max_num_seqs: int, max_num_batched_tokens: int) -> None:

@@ -61,6 +61,15 @@ class SequenceGroup:
     beam: Any = None                      # a BeamState for beam search requests
     keep_kv: bool = False                 # finished sequences keep their blocks (tree nodes)
     prefill_only: bool = False            # computes the prompt but the last token, then is kept
+    grammar: Any = None                   # compiled structured_outputs constraint, if any
+    # [None, {token: Logprob}, ...] as far as computed; None when not asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt positions are still to be scored (then prefix-cache hits are skipped)."""
+        logprobs = self.prompt_logprobs
+        return logprobs is not None and len(logprobs) < len(self.prompt_token_ids)
 
     @property
     def needs_fork(self) -> bool:
@@ -99,6 +108,7 @@ class Sequence:
     text: str | None = None               # set while detokenizing (stop strings) and at finish
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    matcher: Any = None                   # this sample's position in its group's grammar
 
     @property
     def params(self) -> SamplingParams:
@@ -137,6 +147,8 @@ class Sequence:
             self.status, self.num_computed, self.high_water, self.cumulative_logprob,
             None if self.logprobs is None else list(self.logprobs),
             copy.copy(self.detokenizer), self.text)
+        if self.matcher is not None:
+            child.matcher = self.matcher.deep_copy()   # its own grammar state from here on
         return child
 
     def start_outputs(self, tokenizer: Any) -> None:

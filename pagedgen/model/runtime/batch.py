@@ -17,6 +17,7 @@ class ScheduledChunk:
     start_pos: int  # position of token_ids[0] (= tokens already in the cache)
     block_table: list[int]  # covers start_pos + len(token_ids) tokens
     sample: bool  # True when logits are needed at the chunk's last token
+    prompt_logprobs: bool = False  # the hidden states of every token are kept (runner.prompt_hidden)
 
 
 @dataclass(slots=True)

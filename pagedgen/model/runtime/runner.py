@@ -52,8 +52,16 @@ class ModelRunner:
         self._check_ids(flat)
         step = self._step_metadata(flat)
         hidden = self.model(flat.input_ids.to(self.device), step, self.kv_cache)
+        self.prompt_hidden = _prompt_hidden(batch, flat, hidden)
         rows = flat.sample_rows.to(self.device)
         return self.model.compute_logits(hidden.index_select(0, rows))
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of hidden-state rows (prompt logprobs compute them a slice at a time)."""
+        return self.model.compute_logits(hidden)
+
+    prompt_hidden: list[torch.Tensor] = []  # of the last step's prompt_logprobs chunks
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -86,3 +94,13 @@ class ModelRunner:
     def _check_block_ids(self, ids: torch.Tensor, field: str) -> None:
         if bool(((ids < 0) | (ids >= self.num_blocks)).any()):
             raise ValueError(f"{field} holds a block id outside [0, {self.num_blocks})")
+
+
+def _prompt_hidden(batch: list[ScheduledChunk], flat: FlatBatch,
+                   hidden: torch.Tensor) -> list[torch.Tensor]:
+    """Hidden states of every token of the chunks that asked for prompt logprobs, in batch
+    order. Kept instead of their logits: [tokens, hidden] is small, [tokens, vocab] is not."""
+    if not any(c.prompt_logprobs for c in batch):
+        return []
+    starts = flat.query_start_loc.tolist()
+    return [hidden[starts[i]:starts[i + 1]] for i, c in enumerate(batch) if c.prompt_logprobs]
