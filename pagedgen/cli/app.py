@@ -1,9 +1,7 @@
 """The `pagedgen` command line (Typer): parse, call, render — the work lives in run_job.py.
 
-Everything a person reads goes to stderr (Rich); files carry the results.
-Exit status of `run`: 0 all requests answered, 1 some failed (see the errors file),
-2 usage or config error before anything ran, 128 + signal number when interrupted
-(130 Ctrl-C, 143 SIGTERM).
+Everything a person reads goes to stderr (Rich); files carry the results. Exit statuses of
+`run` are in exit_codes.py.
 """
 
 from __future__ import annotations
@@ -15,11 +13,10 @@ import typer
 from rich.console import Console
 
 from pagedgen.cli.config import ConfigError, load_config, parse_set_option
+from pagedgen.cli.exit_codes import EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_USAGE
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Offline batch generation on a paged KV cache.")
-
-EXIT_USAGE = 2
 
 
 def _stderr() -> Console:
@@ -38,7 +35,7 @@ _ENGINE_FLAGS = {"--model": "model", "--dtype": "dtype", "--device": "device",
                  "--num-blocks": "num_blocks", "--max-num-seqs": "max_num_seqs",
                  "--max-num-batched-tokens": "max_num_batched_tokens",
                  "--max-model-len": "max_model_len", "--prefix-caching": "enable_prefix_caching",
-                 "--seed": "seed", "--threads": "threads"}
+                 "--seed": "seed", "--threads": "threads", "--max-line-bytes": "max_line_bytes"}
 _SAMPLING_FLAGS = {"--max-tokens": "max_tokens", "--temperature": "temperature",
                    "--top-p": "top_p", "--top-k": "top_k", "--n": "n"}
 _OUTPUT_FLAGS = {"--output": "path", "--errors": "errors_path", "--report-dir": "report_dir",
@@ -64,8 +61,8 @@ def _overrides(flags: dict[str, Any], settings: list[str]) -> list[tuple[str, di
 def _print_outcome(console: Console, summary: Any, paths: Any, command: str) -> None:
     if summary.interrupted_by:
         console.print(f"[bold yellow]Interrupted by {summary.interrupted_by}[/]: {summary.done} of "
-                      f"{summary.total} requests done, all saved in {paths.output}.\n"
-                      f"Resume with: {command} --resume")
+                      f"{summary.total} requests done, all saved in {paths.output}.")
+        console.print(f"Resume with: {command}", highlight=False, markup=False)
         return
     style = "red" if summary.failed else "green"
     console.print(f"[bold {style}]{summary.done} of {summary.total} requests answered[/]"
@@ -83,15 +80,69 @@ def _written_files(summary: Any, paths: Any) -> list[tuple[str, Path]]:
     return [(label, path) for label, path in candidates if path is not None and path.exists()]
 
 
-def _command_line(prompts: Path, config: Optional[Path], output: Optional[Path]) -> str:
-    parts = ["pagedgen run", str(prompts)]
-    parts += [f"--config {config}"] if config else []
-    parts += [f"--output {output}"] if output else []
-    return " ".join(parts)
+def _command_line(ctx: typer.Context) -> list[str]:
+    """The argv of this `pagedgen run` as the user typed it (every option given on the command
+    line, in the command's order), for the resume hint and the run manifest."""
+    argv = ["pagedgen", ctx.info_name or "run"]
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name)
+        if getattr(source, "name", None) != "COMMANDLINE":
+            continue
+        value = ctx.params[param.name]
+        if param.param_type_name == "argument":
+            argv.append(str(value))
+        elif getattr(param, "is_flag", False) and isinstance(value, bool):
+            argv.append(param.opts[0] if value or not param.secondary_opts else param.secondary_opts[0])
+        else:
+            for item in value if getattr(param, "multiple", False) else [value]:
+                argv += [param.opts[0], str(item)]
+    return argv
 
 
-@app.command()
+def _resume_command(argv: list[str]) -> str:
+    import shlex
+
+    kept = [a for a in argv if a not in ("--overwrite", "--resume")]
+    return shlex.join([*kept, "--resume"])
+
+
+def _internal_error(console: Console, exc: BaseException, log: Path | None, debug: bool) -> None:
+    """A fault of the whole run: one line on the terminal, the traceback in a log file."""
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    saved = None
+    for candidate in ([log] if log is not None else []) + [None]:
+        try:
+            if candidate is None:
+                handle, name = tempfile.mkstemp(prefix="pagedgen-error-", suffix=".log")
+                candidate = Path(name)
+                import os
+                os.close(handle)
+            candidate.write_text(text, encoding="utf-8", errors="backslashreplace")
+            saved = candidate
+            break
+        except OSError:
+            continue
+    if debug:
+        console.print(text, markup=False, highlight=False)
+    where = f"; the traceback is in {saved}" if saved else ""
+    console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {_one_line(exc)}{where}",
+                  highlight=False)
+    raise typer.Exit(EXIT_INTERNAL)
+
+
+def _one_line(exc: BaseException) -> str:
+    from pagedgen.validation import brief
+
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else brief(text, 300)
+
+
+@app.command(epilog=EXIT_CODES_HELP)
 def run(
+    ctx: typer.Context,
     prompts: Path = typer.Argument(..., help="JSONL input: prompt / messages / prompt_token_ids "
                                              "lines or OpenAI Batch API lines."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (see configs/)."),
@@ -125,8 +176,14 @@ def run(
     n: Optional[int] = typer.Option(None, "--n", help="Default samples per request."),
     settings: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
                                        help="Any config key, e.g. --set sampling.min_p=0.05."),
+    max_line_bytes: Optional[str] = typer.Option(
+        None, "--max-line-bytes", help="Longest input line read, e.g. 4MiB (default: 32 bytes "
+                                       "per token of max_model_len, at least 64KiB)."),
+    debug: bool = typer.Option(False, "--debug", help="Show the traceback of an internal error."),
 ) -> None:
-    """Generate completions for every request in PROMPTS (resumable; nothing finished is lost)."""
+    """Generate completions for every request in PROMPTS (resumable; nothing finished is lost).
+
+    A bad line or a failed request becomes one error record naming its line; the rest run."""
     from pagedgen.cli.run_job import Job, UsageError, resolve_paths
 
     console = _stderr()
@@ -136,17 +193,20 @@ def run(
              "--prefix-caching": prefix_caching, "--seed": seed, "--threads": threads,
              "--max-tokens": max_tokens, "--temperature": temperature, "--top-p": top_p,
              "--top-k": top_k, "--n": n, "--output": output, "--errors": errors,
-             "--report-dir": report_dir, "--ordered": ordered}
+             "--report-dir": report_dir, "--ordered": ordered, "--max-line-bytes": max_line_bytes}
+    argv, paths = _command_line(ctx), None
     try:
         run_config = load_config(config, _overrides(flags, settings))
         paths = resolve_paths(prompts, run_config, write_report=not no_report)
         job = Job(run_config, paths, console, resume=resume, overwrite=overwrite,
-                  show_progress=not quiet)
+                  show_progress=not quiet, command=argv)
         summary = job.run()
     except (ConfigError, UsageError) as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         raise typer.Exit(EXIT_USAGE) from None
-    _print_outcome(console, summary, paths, _command_line(prompts, config, output))
+    except Exception as exc:  # noqa: BLE001 - the whole run failed: log it, exit 3
+        _internal_error(console, exc, paths.error_log if paths else None, debug)
+    _print_outcome(console, summary, paths, _resume_command(argv))
     raise typer.Exit(summary.exit_code)
 
 

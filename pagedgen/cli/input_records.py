@@ -231,6 +231,22 @@ def parse_line(line: int, raw: bytes, defaults: dict[str, Any],
                             _id_for_error(obj, line, openai), openai)
 
 
+# The default line limit: 32 bytes per token of the longest prompt that fits is about 8x its
+# text (~4 bytes a token), room for JSON escapes (\\uXXXX is 6 bytes) and chat framing.
+BYTES_PER_TOKEN = 32
+MIN_LINE_BYTES = 64 * 2**10
+UNKNOWN_LEN_LINE_BYTES = 64 * 2**20   # before the model is loaded, when max_model_len is unset
+
+
+def line_byte_limit(max_line_bytes: int | None, max_model_len: int | None) -> int:
+    """The configured limit, else one derived from the longest prompt that can fit."""
+    if max_line_bytes is not None:
+        return max_line_bytes
+    if max_model_len is None:
+        return UNKNOWN_LEN_LINE_BYTES
+    return max(MIN_LINE_BYTES, BYTES_PER_TOKEN * max_model_len)
+
+
 def line_too_long(size: int, limit: int) -> str:
     return (f"the line is {size} bytes, more than the limit of {limit} (set by max_line_bytes, "
             "--max-line-bytes); it was not parsed")

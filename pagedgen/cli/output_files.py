@@ -121,7 +121,11 @@ class JsonlAppender:
         self.count = 0
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(encode_line(record))
+        self.write_line(encode_line(record))
+
+    def write_line(self, line: bytes) -> None:
+        """One encoded record (`encode_line`), newline included."""
+        self._file.write(line)
         self._file.flush()
         self.count += 1
         self._unsynced += 1
