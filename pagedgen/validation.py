@@ -54,3 +54,9 @@ def _is_short_scalar(value: object) -> bool:
     if isinstance(value, int):
         return value.bit_length() <= 128
     return value is None or isinstance(value, float)
+
+
+def shorten(text: str, limit: int = 200) -> str:
+    """`text` on one line, cut to `limit` characters (for exception messages shown to users)."""
+    text = " ".join(text[:limit * 2].split())
+    return text if len(text) <= limit else text[:limit] + "…"

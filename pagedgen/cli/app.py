@@ -134,10 +134,9 @@ def _internal_error(console: Console, exc: BaseException, log: Path | None, debu
 
 
 def _one_line(exc: BaseException) -> str:
-    from pagedgen.validation import brief
+    from pagedgen.validation import shorten
 
-    text = " ".join(str(exc).split())
-    return text if len(text) <= 300 else brief(text, 300)
+    return shorten(str(exc), 300)
 
 
 @app.command(epilog=EXIT_CODES_HELP)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import yaml
 
-from pagedgen.validation import brief, int_at_least, is_int
+from pagedgen.validation import brief, int_at_least, is_int, shorten
 from pagedgen.defaults import DEFAULT_KV_MEMORY
 from pagedgen.cli.input_records import validate_sampling_fields
 
@@ -212,7 +212,7 @@ def safe_yaml(text: str, source: str) -> Any:
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: invalid YAML: {brief(str(exc), 300)}") from None
+        raise ConfigError(f"{source}: invalid YAML: {shorten(str(exc), 300)}") from None
     except RecursionError:
         raise ConfigError(f"{source}: YAML nested too deeply") from None
 

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 from pagedgen.cli import openai_batch
 from pagedgen.engine.sampling_params import (PARALLEL_FIELDS, SAMPLING_RULES, check_combination,
                                              check_field)
-from pagedgen.validation import brief, is_int
+from pagedgen.validation import brief, is_int, shorten
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 
@@ -227,7 +227,7 @@ def parse_line(line: int, raw: bytes, defaults: dict[str, Any],
     except ValueError as exc:
         return RequestError(line, str(exc), _id_for_error(obj, line, openai), openai)
     except Exception as exc:  # noqa: BLE001 - whatever one line does, it stays that line's error
-        return RequestError(line, f"cannot read this line: {type(exc).__name__}: {brief(str(exc), 200)}",
+        return RequestError(line, f"cannot read this line: {type(exc).__name__}: {shorten(str(exc))}",
                             _id_for_error(obj, line, openai), openai)
 
 

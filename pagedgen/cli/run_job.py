@@ -32,7 +32,7 @@ from pagedgen.cli.output_files import (JsonlAppender, OutputFileError, RequestRe
 from pagedgen.cli.paths import (JobPaths, UsageError, check_paths, default_output_path,
                                 resolve_paths, sibling)
 from pagedgen.prompts import encode_chat
-from pagedgen.validation import brief
+from pagedgen.validation import brief, shorten
 
 if TYPE_CHECKING:
     from pagedgen.llm import LLM
@@ -133,7 +133,7 @@ def _guarded(what: str, function: Any, *args: Any) -> Any:
     except BaseException as exc:  # noqa: BLE001 - tokenizers raise pyo3 panics (BaseException)
         if is_stop(exc):
             raise
-        raise ValueError(f"{what} failed: {type(exc).__name__}: {brief(str(exc), 200)}") from None
+        raise ValueError(f"{what} failed: {type(exc).__name__}: {shorten(str(exc))}") from None
 
 
 def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
@@ -304,7 +304,7 @@ class Job:
                 prepared.append(prepare(request, llm, max_bytes))
             except Exception as exc:  # noqa: BLE001 - one request's failure is its error record
                 reason = str(exc) if isinstance(exc, ValueError) else \
-                    f"cannot prepare this request: {type(exc).__name__}: {brief(str(exc), 200)}"
+                    f"cannot prepare this request: {type(exc).__name__}: {shorten(str(exc))}"
                 self.record_error(RequestError.of(request, reason))
         return prepared
 
@@ -336,7 +336,7 @@ class Job:
             return encode_line(result_record(to_result(item, output, model_name, tokenizer)))
         except Exception as exc:  # noqa: BLE001 - one request's failure is its error record
             return RequestError.of(item.request, f"cannot write this result: "
-                                                 f"{type(exc).__name__}: {brief(str(exc), 200)}")
+                                                 f"{type(exc).__name__}: {shorten(str(exc))}")
 
     def finish(self, llm: LLM | None) -> None:
         """The ordered file and the memory report, after a complete run."""
