@@ -32,7 +32,7 @@ from pagedgen.cli.output_files import (JsonlAppender, OutputFileError, RequestRe
 from pagedgen.cli.paths import (JobPaths, UsageError, check_paths, default_output_path,
                                 resolve_paths, sibling)
 from pagedgen.prompts import encode_chat
-from pagedgen.validation import brief, shorten
+from pagedgen.validation import shorten
 
 if TYPE_CHECKING:
     from pagedgen.llm import LLM
