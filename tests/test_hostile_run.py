@@ -121,6 +121,8 @@ def test_unwritable_place_is_found_before_the_model_loads(tmp_path, config_path,
     # /proc refuses new files even to root, unlike a chmod'ed folder.
     result = run_cli(inputs, "-c", config_path, "--errors", "/proc/self/pagedgen-errors.jsonl")
     assert result.exit_code == 2 and "cannot write the errors file" in result.stderr
+    result = run_cli(inputs, "-c", config_path, "--report-dir", "/proc/self/pagedgen-report")
+    assert result.exit_code == 2 and "cannot write the report file" in result.stderr
     if os.geteuid() != 0:
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
@@ -144,8 +146,8 @@ def test_only_files_the_manifest_lists_are_replaced(tmp_path, config_path):
     first = run_cli(inputs, "-c", config_path, "--no-report")
     assert first.exit_code == 1
     manifest = json.loads((tmp_path / "in.completions.manifest.json").read_text())
-    assert str(tmp_path / "in.completions.errors.jsonl") in manifest["files"]
-    assert str(inputs) not in manifest["files"]
+    assert os.path.realpath(tmp_path / "in.completions.errors.jsonl") in manifest["files"]
+    assert os.path.realpath(inputs) not in manifest["files"]
     (tmp_path / "unrelated.txt").write_text("keep me")
     before = snapshot(tmp_path)
     again = run_cli(inputs, "-c", config_path, "--no-report", "--overwrite")

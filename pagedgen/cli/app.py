@@ -6,6 +6,7 @@ Everything a person reads goes to stderr (Rich); files carry the results. Exit s
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any, Optional
 
@@ -203,6 +204,9 @@ def run(
     except (ConfigError, UsageError) as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         raise typer.Exit(EXIT_USAGE) from None
+    except KeyboardInterrupt:  # before the job's own handlers were installed: nothing ran
+        console.print("[bold yellow]Interrupted[/] before the run started.")
+        raise typer.Exit(128 + signal.SIGINT) from None
     except Exception as exc:  # noqa: BLE001 - the whole run failed: log it, exit 3
         _internal_error(console, exc, paths.error_log if paths else None, debug)
     _print_outcome(console, summary, paths, _resume_command(argv))

@@ -38,12 +38,12 @@ class ManifestError(Exception):
 @dataclass(slots=True)
 class RunManifest:
     settings: dict[str, Any]
-    files: list[str] = field(default_factory=list)       # absolute paths the run created
+    files: list[str] = field(default_factory=list)       # real paths of the files the run created
     command: list[str] = field(default_factory=list)     # argv of the run that began the file
     kind: str = MANIFEST_KIND
 
     def owns(self, path: Path) -> bool:
-        return os.path.abspath(path) in self.files
+        return os.path.realpath(path) in self.files
 
 
 def load_manifest(path: Path) -> RunManifest | None:

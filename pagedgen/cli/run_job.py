@@ -12,6 +12,7 @@ escapes. SIGINT/SIGTERM stop the run between two records, never inside one.
 from __future__ import annotations
 
 import json
+import os
 import signal
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -272,7 +273,7 @@ class Job:
 
     def _save_manifest(self, previous: RunManifest | None, settings: dict[str, Any]) -> None:
         keep = self.resume and previous is not None
-        files = {str(p.absolute()) for _, p in self.paths.targets()}
+        files = {os.path.realpath(p) for _, p in self.paths.targets()}
         files |= set(previous.files) if previous is not None else set()
         save_manifest(self.paths.manifest, RunManifest(
             previous.settings if keep else settings, sorted(files),
@@ -400,7 +401,10 @@ def load_llm(config: RunConfig) -> LLM:
     try:
         return build_llm(config)
     except (OSError, ValueError) as exc:  # missing files, bad model folders, impossible sizes
-        raise UsageError(f"cannot load the model: {exc}") from None
+        raise UsageError(f"cannot load the model: {shorten(str(exc), 1000)}") from None
+    except Exception as exc:  # noqa: BLE001 - a corrupt file fails in many libraries' own ways
+        raise UsageError(f"cannot load the model or set up the engine: {type(exc).__name__}: "
+                         f"{shorten(str(exc), 1000)}") from None
 
 
 def make_progress(console: Console, enabled: bool) -> Progress:
