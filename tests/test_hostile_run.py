@@ -293,7 +293,8 @@ def test_resume_refuses_other_models_and_settings_and_then_completes_exactly(
     reference = tmp_path / "reference.jsonl"
     assert run_cli(inputs, "-c", config_path, "--no-report", "--output", reference).exit_code == 0
 
-    command = [inputs, "--config", config_path, "--no-report", "--max-num-seqs", "1", "--set", "seed=3"]
+    command = [inputs, "--config", config_path, "--no-report", "--max-num-seqs", "1", "--set", "seed=3",
+               "--dtype", "float32", "--temperature", "0"]
     interrupt_after(monkeypatch, 2)
     first = run_cli(*command)
     monkeypatch.undo()
@@ -306,7 +307,7 @@ def test_resume_refuses_other_models_and_settings_and_then_completes_exactly(
     other_model = tiny_model_dir("qwen2")
     refused = [
         (["--model", other_model], ["model:", "model_files:"]),
-        (["--temperature", "0.5"], ["sampling.temperature: 0.0 -> 0.5"]),
+        (["--temperature", "0.5", "--set", "seed=4"], ["sampling.temperature: 0.0 -> 0.5", "seed: 3 -> 4"]),
         (["--dtype", "bfloat16", "--block-size", "8"], ["dtype: 'float32' -> 'bfloat16'", "block_size: 16 -> 8"]),
     ]
     for extra, fields in refused:

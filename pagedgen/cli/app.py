@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand
 
 from pagedgen.cli.config import ConfigError, load_config, parse_set_option
 from pagedgen.cli.exit_codes import EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_USAGE
@@ -81,23 +82,18 @@ def _written_files(summary: Any, paths: Any) -> list[tuple[str, Path]]:
     return [(label, path) for label, path in candidates if path is not None and path.exists()]
 
 
+class _ArgvCommand(TyperCommand):
+    """Keeps the command's own arguments as typed, for the resume hint and the run manifest
+    (click keeps only the parsed values)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        ctx.meta["pagedgen.argv"] = list(args)
+        return super().parse_args(ctx, args)
+
+
 def _command_line(ctx: typer.Context) -> list[str]:
-    """The argv of this `pagedgen run` as the user typed it (every option given on the command
-    line, in the command's order), for the resume hint and the run manifest."""
-    argv = ["pagedgen", ctx.info_name or "run"]
-    for param in ctx.command.params:
-        source = ctx.get_parameter_source(param.name)
-        if getattr(source, "name", None) != "COMMANDLINE":
-            continue
-        value = ctx.params[param.name]
-        if param.param_type_name == "argument":
-            argv.append(str(value))
-        elif getattr(param, "is_flag", False) and isinstance(value, bool):
-            argv.append(param.opts[0] if value or not param.secondary_opts else param.secondary_opts[0])
-        else:
-            for item in value if getattr(param, "multiple", False) else [value]:
-                argv += [param.opts[0], str(item)]
-    return argv
+    """The argv of this `pagedgen run` as the user typed it."""
+    return ["pagedgen", ctx.info_name or "run", *ctx.meta.get("pagedgen.argv", [])]
 
 
 def _resume_command(argv: list[str]) -> str:
@@ -109,23 +105,10 @@ def _resume_command(argv: list[str]) -> str:
 
 def _internal_error(console: Console, exc: BaseException, log: Path | None, debug: bool) -> None:
     """A fault of the whole run: one line on the terminal, the traceback in a log file."""
-    import tempfile
     import traceback
 
     text = "".join(traceback.format_exception(exc))
-    saved = None
-    for candidate in ([log] if log is not None else []) + [None]:
-        try:
-            if candidate is None:
-                handle, name = tempfile.mkstemp(prefix="pagedgen-error-", suffix=".log")
-                candidate = Path(name)
-                import os
-                os.close(handle)
-            candidate.write_text(text, encoding="utf-8", errors="backslashreplace")
-            saved = candidate
-            break
-        except OSError:
-            continue
+    saved = _save_log(text, log)
     if debug:
         console.print(text, markup=False, highlight=False)
     where = f"; the traceback is in {saved}" if saved else ""
@@ -134,13 +117,33 @@ def _internal_error(console: Console, exc: BaseException, log: Path | None, debu
     raise typer.Exit(EXIT_INTERNAL)
 
 
+def _save_log(text: str, log: Path | None) -> Path | None:
+    """`log` (a path the run checked it may write), else a new temporary file."""
+    import os
+    import tempfile
+
+    try:
+        if log is not None:
+            log.write_text(text, encoding="utf-8", errors="backslashreplace")
+            return log
+    except OSError:
+        pass
+    try:
+        handle, name = tempfile.mkstemp(prefix="pagedgen-error-", suffix=".log")
+        with os.fdopen(handle, "w", encoding="utf-8", errors="backslashreplace") as file:
+            file.write(text)
+        return Path(name)
+    except OSError:
+        return None
+
+
 def _one_line(exc: BaseException) -> str:
     from pagedgen.validation import shorten
 
     return shorten(str(exc), 300)
 
 
-@app.command(epilog=EXIT_CODES_HELP)
+@app.command(cls=_ArgvCommand, epilog=EXIT_CODES_HELP)
 def run(
     ctx: typer.Context,
     prompts: Path = typer.Argument(..., help="JSONL input: prompt / messages / prompt_token_ids "
@@ -194,7 +197,7 @@ def run(
              "--max-tokens": max_tokens, "--temperature": temperature, "--top-p": top_p,
              "--top-k": top_k, "--n": n, "--output": output, "--errors": errors,
              "--report-dir": report_dir, "--ordered": ordered, "--max-line-bytes": max_line_bytes}
-    argv, paths = _command_line(ctx), None
+    argv, job = _command_line(ctx), None
     try:
         run_config = load_config(config, _overrides(flags, settings))
         paths = resolve_paths(prompts, run_config, write_report=not no_report)
@@ -208,7 +211,8 @@ def run(
         console.print("[bold yellow]Interrupted[/] before the run started.")
         raise typer.Exit(128 + signal.SIGINT) from None
     except Exception as exc:  # noqa: BLE001 - the whole run failed: log it, exit 3
-        _internal_error(console, exc, paths.error_log if paths else None, debug)
+        # The log goes next to the output only once the paths were checked (it may be written).
+        _internal_error(console, exc, job.paths.error_log if job and job.paths_checked else None, debug)
     _print_outcome(console, summary, paths, _resume_command(argv))
     raise typer.Exit(summary.exit_code)
 

@@ -210,6 +210,7 @@ class Job:
         self.errors: dict[int, RequestError] = {}       # by input line
         self._errors_file: JsonlAppender | None = None
         self.summary = JobSummary(total=0)
+        self.paths_checked = False      # every target may be written (check_start passed)
 
     # before anything runs: every problem here is a UsageError (exit 2)
     def check_start(self) -> RunManifest | None:
@@ -226,6 +227,7 @@ class Job:
         if output.exists() and output.stat().st_size > 0 and not (self.resume or self.overwrite):
             raise UsageError(f"{output} already exists: pass --resume to continue it "
                              "or --overwrite to start over")
+        self.paths_checked = True
         return previous
 
     def _check_ownership(self, previous: RunManifest | None) -> None:
