@@ -226,6 +226,24 @@ def test_line_byte_limit_is_configurable(tmp_path, config_path, monkeypatch):
     assert calls == ["good"]   # the long line was never tokenized
 
 
+def test_long_line_is_refused_before_tokenizing_with_the_default_limit(tmp_path, monkeypatch):
+    """No max_model_len configured: the line is read (the model's length is not known yet), but
+    once the model says what fits, a line over 32 bytes a token is refused untokenized."""
+    config = tmp_path / "no-len.yaml"
+    config.write_text(f"model: {tiny_model_dir('llama')}\ndtype: float32\ndevice: cpu\n"
+                      "num_blocks: 64\nmax_num_seqs: 4\nthreads: 1\n"
+                      "sampling:\n  max_tokens: 2\n  temperature: 0\n")
+    inputs = write_lines(tmp_path / "in.jsonl", [GOOD, {"id": "50k-tokens", "prompt": "word " * 40_000}])
+    calls = []
+    real = run_job.prompt_token_ids
+    monkeypatch.setattr(run_job, "prompt_token_ids", lambda r, t: calls.append(r.id) or real(r, t))
+    result = run_cli(inputs, "-c", config, "--no-report")
+    assert result.exit_code == 1
+    [error] = read_jsonl(tmp_path / "in.completions.errors.jsonl")
+    assert error["line"] == 2 and "more than the limit of 65536" in error["error"]["message"]
+    assert calls == ["good"]
+
+
 def test_a_failing_request_is_its_own_error(tmp_path, config_path, monkeypatch):
     inputs = write_lines(tmp_path / "in.jsonl", [GOOD, {"id": "other", "prompt": "x = 1"}])
     real = run_job.to_result
