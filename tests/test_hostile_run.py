@@ -191,7 +191,7 @@ HOSTILE_LINES = [
      "the chat template failed: TemplateError: Conversation roles must alternate"),
     ({"id": "chat", "messages": [{"role": "user", "content": "hi"}]}, None),
     (b"\xff\xfe not utf-8", "invalid UTF-8"),
-    ({"id": "long", "prompt": "y" * 100_000}, "more than the limit of 65536"),
+    ({"id": "long", "prompt": "y" * 100_000}, "longer than the limit of 65536 bytes"),
     ({"id": "huge-id-" + "z" * 5000, "prompt": "x"}, None),
 ]
 
@@ -222,7 +222,7 @@ def test_line_byte_limit_is_configurable(tmp_path, config_path, monkeypatch):
     result = run_cli(inputs, "-c", config_path, "--max-line-bytes", "200", "--no-report")
     assert result.exit_code == 1
     [error] = read_jsonl(tmp_path / "in.completions.errors.jsonl")
-    assert error["line"] == 2 and "more than the limit of 200" in error["error"]["message"]
+    assert error["line"] == 2 and "longer than the limit of 200 bytes" in error["error"]["message"]
     assert calls == ["good"]   # the long line was never tokenized
 
 
@@ -240,7 +240,7 @@ def test_long_line_is_refused_before_tokenizing_with_the_default_limit(tmp_path,
     result = run_cli(inputs, "-c", config, "--no-report")
     assert result.exit_code == 1
     [error] = read_jsonl(tmp_path / "in.completions.errors.jsonl")
-    assert error["line"] == 2 and "more than the limit of 65536" in error["error"]["message"]
+    assert error["line"] == 2 and "longer than the limit of 65536 bytes" in error["error"]["message"]
     assert calls == ["good"]
 
 

@@ -214,7 +214,7 @@ def parse_line(line: int, raw: bytes, defaults: dict[str, Any],
     obj, openai = None, False
     try:
         if len(raw) > limits.max_bytes:
-            raise ValueError(line_too_long(len(raw), limits.max_bytes))
+            raise ValueError(line_too_long(limits.max_bytes))
         obj = _decode(line, raw)
         if not isinstance(obj, dict):
             raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
@@ -247,8 +247,8 @@ def line_byte_limit(max_line_bytes: int | None, max_model_len: int | None) -> in
     return max(MIN_LINE_BYTES, BYTES_PER_TOKEN * max_model_len)
 
 
-def line_too_long(size: int, limit: int) -> str:
-    return (f"the line is {size} bytes, more than the limit of {limit} (set by max_line_bytes, "
+def line_too_long(limit: int) -> str:
+    return (f"the line is longer than the limit of {limit} bytes (max_line_bytes, "
             "--max-line-bytes); it was not parsed")
 
 

@@ -103,8 +103,9 @@ def record_key(record: dict[str, Any]) -> str:
 
 def encode_line(record: dict[str, Any]) -> bytes:
     # ensure_ascii=False keeps text readable; one line per record is guaranteed because JSON
-    # escapes newlines inside strings.
-    return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+    # escapes newlines inside strings. A lone surrogate (input lines are checked for them) would
+    # be written as its JSON escape rather than fail the write.
+    return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
 
 
 # --- streaming ---

@@ -158,7 +158,7 @@ def prepare(request: Request, llm: LLM, max_bytes: int | None = None) -> Prepare
     from pagedgen.engine.sampling_params import SamplingParams
 
     if max_bytes is not None and request.size > max_bytes:
-        raise ValueError(line_too_long(request.size, max_bytes))
+        raise ValueError(line_too_long(max_bytes))
     ids = prompt_token_ids(request, llm.get_tokenizer())
     if not ids:
         raise ValueError("the prompt is empty after tokenization")
