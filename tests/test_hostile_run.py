@@ -331,6 +331,7 @@ def test_resume_refuses_other_models_and_settings_and_then_completes_exactly(
     for extra, fields in refused:
         result = run_cli(*command, *extra, "--resume")
         assert result.exit_code == 2, result.stderr
+        assert f"Resume with the same settings ({hint})" in result.stderr
         for name in fields:
             assert name in result.stderr, (name, result.stderr)
         assert output.read_bytes() == partial

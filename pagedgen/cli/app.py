@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from typer.core import TyperCommand
 
 from pagedgen.cli.config import ConfigError, load_config, parse_set_option
@@ -96,13 +97,6 @@ def _command_line(ctx: typer.Context) -> list[str]:
     return ["pagedgen", ctx.info_name or "run", *ctx.meta.get("pagedgen.argv", [])]
 
 
-def _resume_command(argv: list[str]) -> str:
-    import shlex
-
-    kept = [a for a in argv if a not in ("--overwrite", "--resume")]
-    return shlex.join([*kept, "--resume"])
-
-
 def _internal_error(console: Console, exc: BaseException, log: Path | None, debug: bool) -> None:
     """A fault of the whole run: one line on the terminal, the traceback in a log file."""
     import traceback
@@ -112,7 +106,7 @@ def _internal_error(console: Console, exc: BaseException, log: Path | None, debu
     if debug:
         console.print(text, markup=False, highlight=False)
     where = f"; the traceback is in {saved}" if saved else ""
-    console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {_one_line(exc)}{where}",
+    console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {escape(_one_line(exc) + where)}",
                   highlight=False)
     raise typer.Exit(EXIT_INTERNAL)
 
@@ -187,6 +181,7 @@ def run(
     """Generate completions for every request in PROMPTS (resumable; nothing finished is lost).
 
     A bad line or a failed request becomes one error record naming its line; the rest run."""
+    from pagedgen.cli.manifest import resume_command
     from pagedgen.cli.run_job import Job, UsageError, resolve_paths
 
     console = _stderr()
@@ -205,7 +200,7 @@ def run(
                   show_progress=not quiet, command=argv)
         summary = job.run()
     except (ConfigError, UsageError) as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         raise typer.Exit(EXIT_USAGE) from None
     except KeyboardInterrupt:  # before the job's own handlers were installed: nothing ran
         console.print("[bold yellow]Interrupted[/] before the run started.")
@@ -213,7 +208,7 @@ def run(
     except Exception as exc:  # noqa: BLE001 - the whole run failed: log it, exit 3
         # The log goes next to the output only once the paths were checked (it may be written).
         _internal_error(console, exc, job.paths.error_log if job and job.paths_checked else None, debug)
-    _print_outcome(console, summary, paths, _resume_command(argv))
+    _print_outcome(console, summary, paths, resume_command(argv))
     raise typer.Exit(summary.exit_code)
 
 
@@ -221,7 +216,7 @@ def run(
 
 
 def _fail_usage(console: Console, exc: Exception) -> None:
-    console.print(f"[bold red]error:[/] {exc}", highlight=False)
+    console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
     raise typer.Exit(EXIT_USAGE)
 
 

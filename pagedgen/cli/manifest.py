@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,12 @@ class RunManifest:
 
     def owns(self, path: Path) -> bool:
         return os.path.realpath(path) in self.files
+
+
+def resume_command(argv: list[str]) -> str:
+    """The shell line that resumes the run begun by `argv` (its flags kept, quoted as needed)."""
+    kept = [a for a in argv if a not in ("--overwrite", "--resume")]
+    return shlex.join([*kept, "--resume"])
 
 
 def load_manifest(path: Path) -> RunManifest | None:

@@ -26,7 +26,7 @@ from pagedgen.cli.config import RunConfig
 from pagedgen.cli.input_records import (LineLimits, Request, RequestError, line_byte_limit,
                                         line_too_long, read_requests)
 from pagedgen.cli.manifest import (ManifestError, RunManifest, differences, load_manifest,
-                                   run_settings, save_manifest)
+                                   resume_command, run_settings, save_manifest)
 from pagedgen.cli.output_files import (JsonlAppender, OutputFileError, RequestResult, SampleResult,
                                        TokenLogprob, completed_keys, encode_line, error_record,
                                        result_record, write_atomically, write_ordered)
@@ -247,10 +247,10 @@ class Job:
             return
         changed = differences(previous.settings, settings)
         if changed:
-            original = " ".join(previous.command) if previous.command else "the original command"
+            hint = resume_command(previous.command) if previous.command else "the original command"
             raise UsageError(f"cannot resume {self.paths.output}: it was begun with other settings "
                              f"({len(changed)} differ):\n  " + "\n  ".join(changed)
-                             + f"\nResume with the same settings ({original} --resume), "
+                             + f"\nResume with the same settings ({hint}), "
                              "or pass --overwrite to start over")
 
     def open_output(self, requests: list[Request], previous: RunManifest | None) -> list[Request]:
