@@ -276,6 +276,12 @@ def test_a_fault_of_the_whole_run_is_exit_3_with_a_log(tmp_path, config_path, mo
 
 # --- config bounds ---
 
+def test_default_n_above_max_num_seqs_is_a_config_error(tmp_path, config_path, no_model):
+    inputs = write_lines(tmp_path / "in.jsonl", [GOOD])
+    result = run_cli(inputs, "-c", config_path, "--n", "100", "--max-num-seqs", "8")
+    assert result.exit_code == 2 and "'n' is 100, more than max_num_seqs (8)" in result.stderr
+
+
 def test_yaml_alias_bomb_is_refused_at_once(tmp_path, no_model):
     inputs = write_lines(tmp_path / "in.jsonl", [GOOD])
     bomb = tmp_path / "bomb.yaml"

@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pagedgen.cli.config import RunConfig
-from pagedgen.cli.input_records import (LineLimits, Request, RequestError, line_byte_limit,
-                                        line_too_long, read_requests)
+from pagedgen.cli.input_records import (LineLimits, Request, RequestError, check_parallel,
+                                        line_byte_limit, line_too_long, read_requests)
 from pagedgen.cli.manifest import (ManifestError, RunManifest, differences, load_manifest,
                                    resume_command, run_settings, save_manifest)
 from pagedgen.cli.output_files import (JsonlAppender, OutputFileError, RequestResult, SampleResult,
@@ -217,6 +217,10 @@ class Job:
         """Paths, flags and the earlier run's manifest; returns that manifest (or None)."""
         if self.resume and self.overwrite:
             raise UsageError("--resume and --overwrite contradict each other; pass one of them")
+        try:  # a default that no line could run with is the config's mistake, not each line's
+            check_parallel(self.config.sampling, self.config.max_num_seqs)
+        except ValueError as exc:
+            raise UsageError(f"sampling defaults: {exc}") from None
         check_paths(self.paths)
         try:
             previous = load_manifest(self.paths.manifest)
