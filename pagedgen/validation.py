@@ -30,3 +30,33 @@ def int_at_least(minimum: int) -> Callable[[object], int]:
             raise ValueError(f"must be an integer >= {minimum}")
         return value
     return check
+
+
+
+def brief(value: object, limit: int = 60) -> str:
+    """`repr(value)`, cut to about `limit` characters, for messages about untrusted input: a
+    60 MB string, a million-digit integer or a deeply nested list is never formatted whole."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<an integer of {value.bit_length()} bits>"
+    if isinstance(value, (str, bytes)):
+        return repr(value[:limit]) + ("…" if len(value) > limit else "")
+    if isinstance(value, (list, tuple, dict)):
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else list(value)
+        if len(items) > 8 or not all(_is_short_scalar(v) for v in items):
+            return f"<a {type(value).__name__} of {len(value)} items>"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _is_short_scalar(value: object) -> bool:
+    if isinstance(value, (str, bytes)):
+        return len(value) <= 20
+    if isinstance(value, int):
+        return value.bit_length() <= 128
+    return value is None or isinstance(value, float)
+
+
+def shorten(text: str, limit: int = 200) -> str:
+    """`text` on one line, cut to `limit` characters (for exception messages shown to users)."""
+    text = " ".join(text[:limit * 2].split())
+    return text if len(text) <= limit else text[:limit] + "…"

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from pagedgen.cli import openai_batch
-from pagedgen.cli.input_records import Request, RequestError, parse_line, read_requests, validate_sampling_fields
+from pagedgen.cli.input_records import (SAMPLING_FIELDS, Request, RequestError, parse_line, read_requests,
+                                        validate_sampling_fields)
 from pagedgen.engine.sampling_params import SamplingParams
 
 
@@ -169,3 +170,40 @@ def test_shipped_samples_are_valid(sample):
     entries = read_requests(sample, {})
     assert entries and all(isinstance(e, Request) for e in entries), \
         [e.message for e in entries if isinstance(e, RequestError)]
+
+
+# --- one table of rules: SamplingParams and the JSONL path agree on every value ---
+
+AGREEMENT_CASES = [
+    ("temperature", 100.0), ("temperature", 200.0), ("temperature", 1e4), ("temperature", 10**400),
+    ("logprobs", 20), ("logprobs", 21), ("logprobs", 10**6), ("seed", 2**64 - 1), ("seed", 2**64),
+    ("seed", None), ("top_k", -1), ("top_k", 2**31), ("max_tokens", 2**31 - 1), ("max_tokens", 2**31),
+    ("stop_token_ids", [2**31]), ("stop", None), ("stop", "x"), ("stop", [""]), ("n", 0),
+    ("repetition_penalty", 0.0), ("min_p", 1.0), ("top_p", 0), ("ignore_eos", 1),
+    ("presence_penalty", -2), ("frequency_penalty", 2.5), ("min_tokens", -1),
+]
+
+
+@pytest.mark.parametrize("name, value", AGREEMENT_CASES)
+def test_sampling_params_and_jsonl_lines_share_one_rule_table(name, value):
+    line = parse({"prompt": "a", name: value})
+    try:
+        SamplingParams(**{name: value})
+        api_ok = True
+    except ValueError as exc:
+        api_ok = False
+        assert f"SamplingParams.{name} " in str(exc) and len(str(exc)) < 200
+    assert isinstance(line, Request) == api_ok, (line, api_ok)
+    if not api_ok:
+        assert f"'{name}'" in line.reason
+
+
+def test_every_sampling_params_field_with_a_rule_is_accepted_per_line():
+    from dataclasses import fields
+
+    from pagedgen.engine.beam_search import BeamSearchParams
+    from pagedgen.engine.sampling_params import BEAM_SEARCH_RULES, REQUEST_RULES, SAMPLING_RULES
+
+    assert set(SAMPLING_RULES) <= {f.name for f in fields(SamplingParams)}
+    assert set(BEAM_SEARCH_RULES) <= {f.name for f in fields(BeamSearchParams)}
+    assert SAMPLING_FIELDS is REQUEST_RULES

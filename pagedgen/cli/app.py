@@ -1,25 +1,25 @@
 """The `pagedgen` command line (Typer): parse, call, render — the work lives in run_job.py.
 
-Everything a person reads goes to stderr (Rich); files carry the results.
-Exit status of `run`: 0 all requests answered, 1 some failed (see the errors file),
-2 usage or config error before anything ran, 128 + signal number when interrupted
-(130 Ctrl-C, 143 SIGTERM).
+Everything a person reads goes to stderr (Rich); files carry the results. Exit statuses of
+`run` are in exit_codes.py.
 """
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperCommand
 
 from pagedgen.cli.config import ConfigError, load_config, parse_set_option
+from pagedgen.cli.exit_codes import EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_USAGE
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Offline batch generation on a paged KV cache.")
-
-EXIT_USAGE = 2
 
 
 def _stderr() -> Console:
@@ -38,7 +38,7 @@ _ENGINE_FLAGS = {"--model": "model", "--dtype": "dtype", "--device": "device",
                  "--num-blocks": "num_blocks", "--max-num-seqs": "max_num_seqs",
                  "--max-num-batched-tokens": "max_num_batched_tokens",
                  "--max-model-len": "max_model_len", "--prefix-caching": "enable_prefix_caching",
-                 "--seed": "seed", "--threads": "threads"}
+                 "--seed": "seed", "--threads": "threads", "--max-line-bytes": "max_line_bytes"}
 _SAMPLING_FLAGS = {"--max-tokens": "max_tokens", "--temperature": "temperature",
                    "--top-p": "top_p", "--top-k": "top_k", "--n": "n"}
 _OUTPUT_FLAGS = {"--output": "path", "--errors": "errors_path", "--report-dir": "report_dir",
@@ -64,8 +64,8 @@ def _overrides(flags: dict[str, Any], settings: list[str]) -> list[tuple[str, di
 def _print_outcome(console: Console, summary: Any, paths: Any, command: str) -> None:
     if summary.interrupted_by:
         console.print(f"[bold yellow]Interrupted by {summary.interrupted_by}[/]: {summary.done} of "
-                      f"{summary.total} requests done, all saved in {paths.output}.\n"
-                      f"Resume with: {command} --resume")
+                      f"{summary.total} requests done, all saved in {paths.output}.")
+        console.print(f"Resume with: {command}", highlight=False, markup=False)
         return
     style = "red" if summary.failed else "green"
     console.print(f"[bold {style}]{summary.done} of {summary.total} requests answered[/]"
@@ -83,15 +83,63 @@ def _written_files(summary: Any, paths: Any) -> list[tuple[str, Path]]:
     return [(label, path) for label, path in candidates if path is not None and path.exists()]
 
 
-def _command_line(prompts: Path, config: Optional[Path], output: Optional[Path]) -> str:
-    parts = ["pagedgen run", str(prompts)]
-    parts += [f"--config {config}"] if config else []
-    parts += [f"--output {output}"] if output else []
-    return " ".join(parts)
+class _ArgvCommand(TyperCommand):
+    """Keeps the command's own arguments as typed, for the resume hint and the run manifest
+    (click keeps only the parsed values)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        ctx.meta["pagedgen.argv"] = list(args)
+        return super().parse_args(ctx, args)
 
 
-@app.command()
+def _command_line(ctx: typer.Context) -> list[str]:
+    """The argv of this `pagedgen run` as the user typed it."""
+    return ["pagedgen", ctx.info_name or "run", *ctx.meta.get("pagedgen.argv", [])]
+
+
+def _internal_error(console: Console, exc: BaseException, log: Path | None, debug: bool) -> None:
+    """A fault of the whole run: one line on the terminal, the traceback in a log file."""
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    saved = _save_log(text, log)
+    if debug:
+        console.print(text, markup=False, highlight=False)
+    where = f"; the traceback is in {saved}" if saved else ""
+    console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {escape(_one_line(exc) + where)}",
+                  highlight=False)
+    raise typer.Exit(EXIT_INTERNAL)
+
+
+def _save_log(text: str, log: Path | None) -> Path | None:
+    """`log` (a path the run checked it may write), else a new temporary file."""
+    import os
+    import tempfile
+
+    try:
+        if log is not None:
+            log.write_text(text, encoding="utf-8", errors="backslashreplace")
+            return log
+    except OSError:
+        pass
+    try:
+        handle, name = tempfile.mkstemp(prefix="pagedgen-error-", suffix=".log")
+        with os.fdopen(handle, "w", encoding="utf-8", errors="backslashreplace") as file:
+            file.write(text)
+        return Path(name)
+    except OSError:
+        return None
+
+
+def _one_line(exc: BaseException) -> str:
+    from pagedgen.validation import shorten
+
+    return shorten(str(exc), 300)
+
+
+@app.command(cls=_ArgvCommand, epilog=EXIT_CODES_HELP)
 def run(
+    ctx: typer.Context,
     prompts: Path = typer.Argument(..., help="JSONL input: prompt / messages / prompt_token_ids "
                                              "lines or OpenAI Batch API lines."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (see configs/)."),
@@ -125,8 +173,15 @@ def run(
     n: Optional[int] = typer.Option(None, "--n", help="Default samples per request."),
     settings: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
                                        help="Any config key, e.g. --set sampling.min_p=0.05."),
+    max_line_bytes: Optional[str] = typer.Option(
+        None, "--max-line-bytes", help="Longest input line read, e.g. 4MiB (default: 32 bytes "
+                                       "per token of max_model_len, at least 64KiB)."),
+    debug: bool = typer.Option(False, "--debug", help="Show the traceback of an internal error."),
 ) -> None:
-    """Generate completions for every request in PROMPTS (resumable; nothing finished is lost)."""
+    """Generate completions for every request in PROMPTS (resumable; nothing finished is lost).
+
+    A bad line or a failed request becomes one error record naming its line; the rest run."""
+    from pagedgen.cli.manifest import resume_command
     from pagedgen.cli.run_job import Job, UsageError, resolve_paths
 
     console = _stderr()
@@ -136,17 +191,24 @@ def run(
              "--prefix-caching": prefix_caching, "--seed": seed, "--threads": threads,
              "--max-tokens": max_tokens, "--temperature": temperature, "--top-p": top_p,
              "--top-k": top_k, "--n": n, "--output": output, "--errors": errors,
-             "--report-dir": report_dir, "--ordered": ordered}
+             "--report-dir": report_dir, "--ordered": ordered, "--max-line-bytes": max_line_bytes}
+    argv, job = _command_line(ctx), None
     try:
         run_config = load_config(config, _overrides(flags, settings))
         paths = resolve_paths(prompts, run_config, write_report=not no_report)
         job = Job(run_config, paths, console, resume=resume, overwrite=overwrite,
-                  show_progress=not quiet)
+                  show_progress=not quiet, command=argv)
         summary = job.run()
     except (ConfigError, UsageError) as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         raise typer.Exit(EXIT_USAGE) from None
-    _print_outcome(console, summary, paths, _command_line(prompts, config, output))
+    except KeyboardInterrupt:  # before the job's own handlers were installed: nothing ran
+        console.print("[bold yellow]Interrupted[/] before the run started.")
+        raise typer.Exit(128 + signal.SIGINT) from None
+    except Exception as exc:  # noqa: BLE001 - the whole run failed: log it, exit 3
+        # The log goes next to the output only once the paths were checked (it may be written).
+        _internal_error(console, exc, job.paths.error_log if job and job.paths_checked else None, debug)
+    _print_outcome(console, summary, paths, resume_command(argv))
     raise typer.Exit(summary.exit_code)
 
 
@@ -154,7 +216,7 @@ def run(
 
 
 def _fail_usage(console: Console, exc: Exception) -> None:
-    console.print(f"[bold red]error:[/] {exc}", highlight=False)
+    console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
     raise typer.Exit(EXIT_USAGE)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import yaml
 
-from pagedgen.validation import int_at_least, is_int
+from pagedgen.validation import brief, int_at_least, is_int, shorten
 from pagedgen.defaults import DEFAULT_KV_MEMORY
 from pagedgen.cli.input_records import validate_sampling_fields
 
@@ -57,6 +57,7 @@ class RunConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     threads: int | None = None
+    max_line_bytes: int | None = None  # None: derived from max_model_len (see input_limits)
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -126,6 +127,7 @@ _ENGINE_CHECKS: dict[str, Callable[[Any], Any]] = {
     "enable_prefix_caching": _bool,
     "seed": int_at_least(0),
     "threads": _optional(int_at_least(1)),
+    "max_line_bytes": _optional(parse_size),
 }
 
 _OUTPUT_CHECKS: dict[str, Callable[[Any], Any]] = {
@@ -150,7 +152,7 @@ def _checked(source: str, key: str, check: Callable[[Any], Any], value: Any) -> 
     try:
         return check(value)
     except ValueError as exc:
-        raise ConfigError(f"{source}: '{key}' {exc}, got {value!r} ({type(value).__name__})") from None
+        raise ConfigError(f"{source}: '{key}' {exc}, got {brief(value)} ({type(value).__name__})") from None
 
 
 def _apply_output(config: RunConfig, source: str, values: Any) -> None:
@@ -187,16 +189,45 @@ def apply_values(config: RunConfig, values: dict[str, Any], source: str) -> RunC
     return config
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML file (safe_load only); an empty file is an empty mapping."""
+# A config is a few dozen lines; anything far larger is a mistake (or an attack).
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class _PlainLoader(yaml.SafeLoader):
+    """safe_load without anchors and aliases: `&a [*b, *b, ...]` chains expand exponentially
+    (a "billion laughs" bomb), and no pagedgen setting needs them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise ConfigError(f"line {event.start_mark.line + 1}: YAML anchors and aliases "
+                              "(&name, *name) are not supported; write the value out")
+        return super().compose_node(parent, index)
+
+
+def safe_yaml(text: str, source: str) -> Any:
+    """yaml.safe_load without anchors/aliases; ConfigError names `source`."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return yaml.load(text, Loader=_PlainLoader)  # noqa: S506 - SafeLoader subclass
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: invalid YAML: {shorten(str(exc), 300)}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: YAML nested too deeply") from None
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML file (safe, no aliases); an empty file is an empty mapping."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: config file is larger than {MAX_CONFIG_BYTES} bytes")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    data = safe_yaml(text, str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -214,11 +245,8 @@ def parse_set_option(option: str) -> dict[str, Any]:
     """`--set KEY=VALUE`; VALUE is read as YAML so `--set seed=3` gives an int."""
     key, sep, raw = option.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"--set {option!r}: expected KEY=VALUE, e.g. --set sampling.top_k=20")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {option!r}: value is not valid YAML: {exc}") from None
+        raise ConfigError(f"--set {brief(option)}: expected KEY=VALUE, e.g. --set sampling.top_k=20")
+    value = safe_yaml(raw, f"--set {brief(option)}") if raw.strip() else None
     return dotted_to_nested(key.strip(), value)
 
 

@@ -17,122 +17,26 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from pagedgen.cli import openai_batch
-from pagedgen.validation import int_at_least, is_int
+from pagedgen.engine.sampling_params import (PARALLEL_FIELDS, REQUEST_RULES, check_combination,
+                                             check_field)
+from pagedgen.validation import brief, is_int, shorten
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 
 
-# --- sampling fields: name -> check that returns the value or raises ValueError(requirement) ---
-
-def _is_number(value: Any) -> bool:
-    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
-
-
-def _number_in(low: float, high: float, low_open: bool = False) -> Callable[[Any], float]:
-    def check(value: Any) -> float:
-        inside = _is_number(value) and (value > low if low_open else value >= low) and value <= high
-        if not inside:
-            raise ValueError(f"must be a number in {'(' if low_open else '['}{low}, {high}]")
-        return float(value)
-    return check
-
-
-def _top_k(value: Any) -> int:
-    if not is_int(value) or value < -1:
-        raise ValueError("must be an integer >= 1, or 0 / -1 for no top-k cut")
-    return value
-
-
-def _optional_seed(value: Any) -> int | None:
-    if value is not None and (not is_int(value) or value < 0):
-        raise ValueError("must be a non-negative integer or null")
-    return value
-
-
-def _stop(value: Any) -> list[str]:
-    values = [value] if isinstance(value, str) else value
-    if not isinstance(values, list) or not all(isinstance(s, str) and s for s in values):
-        raise ValueError("must be a non-empty string or a list of non-empty strings")
-    return values
-
-
-def _token_ids(value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(is_int(t) and t >= 0 for t in value):
-        raise ValueError("must be a list of non-negative integers")
-    return value
-
-
-def _flag(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError("must be true or false")
-    return value
-
-
-def _optional_logprobs(value: Any) -> int | None:
-    if value is not None and (not is_int(value) or not 0 <= value <= 20):
-        raise ValueError("must be an integer in [0, 20] (top alternatives per token) or null")
-    return value
-
-
-def _structured_outputs(value: Any) -> dict[str, Any]:
-    """Shape only ({"json": ...} / {"regex": ...} / ...); a schema or regex that does not
-    compile fails its line when the model's tokenizer compiles it."""
-    from pagedgen.engine.structured_params import StructuredOutputsParams
-
-    try:
-        StructuredOutputsParams.from_dict(value)
-    except ValueError as exc:
-        raise ValueError(f"is invalid: {exc}") from None
-    return value
-
-
-def _optional_prompt_logprobs(value: Any) -> int | None:
-    if value is not None and (not is_int(value) or not 0 <= value <= 20):
-        raise ValueError("must be an integer in [0, 20] (top alternatives per prompt token) "
-                         "or null")
-    return value
-
-
-SAMPLING_FIELDS: dict[str, Callable[[Any], Any]] = {
-    "n": int_at_least(1),
-    "max_tokens": int_at_least(1),
-    "min_tokens": int_at_least(0),
-    "temperature": _number_in(0.0, 100.0),
-    "top_p": _number_in(0.0, 1.0, low_open=True),
-    "top_k": _top_k,
-    "min_p": _number_in(0.0, 1.0),
-    "seed": _optional_seed,
-    "stop": _stop,
-    "stop_token_ids": _token_ids,
-    "ignore_eos": _flag,
-    "include_stop_str_in_output": _flag,
-    "skip_special_tokens": _flag,
-    "logprobs": _optional_logprobs,
-    "presence_penalty": _number_in(-2.0, 2.0),
-    "frequency_penalty": _number_in(-2.0, 2.0),
-    "repetition_penalty": _number_in(0.0, 100.0, low_open=True),
-    "structured_outputs": _structured_outputs,
-    "prompt_logprobs": _optional_prompt_logprobs,
-}
-
-
-# A line with "beam_width" runs beam search (run_job.prepare builds its BeamSearchParams).
-BEAM_SEARCH_FIELDS: dict[str, Callable[[Any], Any]] = {
-    "beam_width": int_at_least(1),
-    "length_penalty": _number_in(-100.0, 100.0),
-}
-SAMPLING_FIELDS.update(BEAM_SEARCH_FIELDS)
+# Sampling fields and their rules are SamplingParams' own table (plus beam search's two
+# fields): one set of rules for the API, the JSONL lines, the OpenAI batch bodies and the config.
+SAMPLING_FIELDS = REQUEST_RULES
 
 
 def unknown_key_message(key: str, known: list[str] | tuple[str, ...]) -> str:
     close = difflib.get_close_matches(key, list(known), n=1)
-    return f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+    return f"unknown key {brief(key)}" + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
 def validate_sampling_fields(values: dict[str, Any]) -> dict[str, Any]:
@@ -141,18 +45,11 @@ def validate_sampling_fields(values: dict[str, Any]) -> dict[str, Any]:
     for key, value in values.items():
         if key not in SAMPLING_FIELDS:
             raise ValueError(unknown_key_message(str(key), list(SAMPLING_FIELDS)))
-        try:
-            checked[key] = SAMPLING_FIELDS[key](value)
-        except ValueError as exc:
-            raise ValueError(f"{key!r} {exc}, got {value!r}") from None
+        checked[key] = check_field(key, value)
     return checked
 
 
-def check_sampling_combination(sampling: dict[str, Any]) -> None:
-    """Rules between fields, checked after the line's fields are merged onto the defaults."""
-    if sampling.get("min_tokens", 0) > sampling.get("max_tokens", math.inf):
-        raise ValueError(f"'min_tokens' ({sampling['min_tokens']}) exceeds 'max_tokens' "
-                         f"({sampling['max_tokens']})")
+check_sampling_combination = check_combination
 
 
 # --- requests ---
@@ -166,6 +63,7 @@ class Request:
     prompt_token_ids: list[int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     openai_url: str | None = None               # set for OpenAI Batch API lines
+    size: int = 0                               # bytes of the line, checked again after loading
 
     @property
     def key(self) -> str:
@@ -227,7 +125,7 @@ def _validate_prompt(kind: str, value: Any) -> Any:
 
 def _validate_id(value: Any) -> str | int:
     if not ((isinstance(value, str) and value) or is_int(value)):
-        raise ValueError(f"'id' must be a non-empty string or an integer, got {value!r}")
+        raise ValueError(f"'id' must be a non-empty string or an integer, got {brief(value)}")
     return value
 
 
@@ -254,30 +152,113 @@ def _openai_request(line: int, obj: dict[str, Any], defaults: dict[str, Any]) ->
     return request
 
 
+@dataclass(frozen=True, slots=True)
+class LineLimits:
+    """What one line may cost before anything is done with it."""
+    max_bytes: int = 64 * 2**20          # a longer line is refused unread
+    max_parallel: int | None = None      # max_num_seqs: n (and the like) above it can never run
+
+
+# Deeper JSON is refused: no request needs it, and walking it costs stack.
+MAX_JSON_DEPTH = 64
+
+
 def _decode(line: int, raw: bytes) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"invalid UTF-8 at byte offset {exc.start}") from None
     try:
-        return json.loads(text.lstrip("\ufeff") if line == 1 else text)
+        obj = json.loads(text.lstrip("\ufeff") if line == 1 else text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"invalid JSON: {exc.msg} (column {exc.colno})") from None
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError:  # Python refuses to parse integers of more than 4300 digits
+        raise ValueError("invalid JSON: a number has too many digits") from None
+    _check_tree(obj)
+    return obj
 
 
-def parse_line(line: int, raw: bytes, defaults: dict[str, Any]) -> Request | RequestError:
-    """One input line -> a Request or a RequestError naming the line and the reason."""
+def _check_tree(obj: Any) -> None:
+    """Depth and text checks on a parsed line, without recursion: JSON escapes can smuggle
+    lone surrogates (\\ud800) into strings that no tokenizer or UTF-8 file can hold."""
+    stack: list[tuple[Any, str, int]] = [(obj, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, str):
+            _check_text(value, where)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_text(key, f"{where}.{brief(key, 30)}" if where else brief(key, 30))
+                stack.append((item, f"{where}.{key[:30]}" if where else key[:30], depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        place = f" in {where}" if where else ""
+        raise ValueError(f"lone surrogate {brief(text[exc.start])}{place} (character {exc.start}): "
+                         "not valid Unicode") from None
+
+
+def parse_line(line: int, raw: bytes, defaults: dict[str, Any],
+               limits: LineLimits = LineLimits()) -> Request | RequestError:
+    """One input line -> a Request or a RequestError naming the line and the reason; nothing
+    on one line, however malformed, raises out of here."""
     obj, openai = None, False
     try:
+        if len(raw) > limits.max_bytes:
+            raise ValueError(line_too_long(limits.max_bytes))
         obj = _decode(line, raw)
         if not isinstance(obj, dict):
             raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
         openai = openai_batch.is_batch_line(obj)
         request = (_openai_request if openai else _plain_request)(line, obj, defaults)
+        request.size = len(raw)
         check_sampling_combination(request.sampling)
+        check_parallel(request.sampling, limits.max_parallel)
         return request
     except ValueError as exc:
         return RequestError(line, str(exc), _id_for_error(obj, line, openai), openai)
+    except Exception as exc:  # noqa: BLE001 - whatever one line does, it stays that line's error
+        return RequestError(line, f"cannot read this line: {type(exc).__name__}: {shorten(str(exc))}",
+                            _id_for_error(obj, line, openai), openai)
+
+
+# The default line limit: 32 bytes per token of the longest prompt that fits is about 8x its
+# text (~4 bytes a token), room for JSON escapes (\\uXXXX is 6 bytes) and chat framing.
+BYTES_PER_TOKEN = 32
+MIN_LINE_BYTES = 64 * 2**10
+UNKNOWN_LEN_LINE_BYTES = 64 * 2**20   # before the model is loaded, when max_model_len is unset
+
+
+def line_byte_limit(max_line_bytes: int | None, max_model_len: int | None) -> int:
+    """The configured limit, else one derived from the longest prompt that can fit."""
+    if max_line_bytes is not None:
+        return max_line_bytes
+    if max_model_len is None:
+        return UNKNOWN_LEN_LINE_BYTES
+    return max(MIN_LINE_BYTES, BYTES_PER_TOKEN * max_model_len)
+
+
+def line_too_long(limit: int) -> str:
+    return (f"the line is longer than the limit of {limit} bytes (max_line_bytes, "
+            "--max-line-bytes); it was not parsed")
+
+
+def check_parallel(sampling: dict[str, Any], max_parallel: int | None) -> None:
+    """n (and any other PARALLEL_FIELDS) take max_num_seqs seats side by side."""
+    for name in PARALLEL_FIELDS:
+        if max_parallel is not None and sampling.get(name, 1) > max_parallel:
+            raise ValueError(f"{name!r} is {sampling[name]}, more than max_num_seqs "
+                             f"({max_parallel}): the sequences of one request run side by side; "
+                             "lower it or raise --max-num-seqs")
 
 
 def _id_for_error(obj: Any, line: int, openai: bool) -> str | int | None:
@@ -285,27 +266,49 @@ def _id_for_error(obj: Any, line: int, openai: bool) -> str | int | None:
     if not isinstance(obj, dict):
         return None
     value = obj.get("custom_id") if openai else obj.get("id", line)
-    return value if (isinstance(value, str) and value) or is_int(value) else None
+    if isinstance(value, str) and value and len(value) <= 1024:
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:
+            return None
+    return value if is_int(value) and value.bit_length() <= 64 else None
 
 
-def iter_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes) of every non-blank line; binary so bad UTF-8 stays per line."""
+def iter_lines(path: str | Path, max_bytes: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of every non-blank line; binary so bad UTF-8 stays per line. A line
+    longer than `max_bytes` is not held in memory: its first max_bytes + 1 bytes stand for it."""
     with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
+        number = 0
+        while True:
+            raw = handle.readline(-1 if max_bytes is None else max_bytes + 2)
+            if not raw:
+                return
+            number += 1
+            if not raw.endswith(b"\n") and max_bytes is not None and len(raw) > max_bytes:
+                _skip_rest_of_line(handle)
             raw = raw.rstrip(b"\r\n")
             if raw.strip():
                 yield number, raw
 
 
-def read_requests(path: str | Path, defaults: dict[str, Any]) -> list[Request | RequestError]:
+def _skip_rest_of_line(handle: Any) -> None:
+    while True:
+        chunk = handle.readline(1 << 20)
+        if not chunk or chunk.endswith(b"\n"):
+            return
+
+
+def read_requests(path: str | Path, defaults: dict[str, Any],
+                  limits: LineLimits = LineLimits()) -> list[Request | RequestError]:
     """Every non-blank line of `path` in order; a repeated id makes the later line an error."""
     entries: list[Request | RequestError] = []
     first_line_of: dict[str, int] = {}
-    for number, raw in iter_lines(path):
-        entry = parse_line(number, raw, defaults)
+    for number, raw in iter_lines(path, limits.max_bytes):
+        entry = parse_line(number, raw, defaults, limits)
         if isinstance(entry, Request):
             if entry.key in first_line_of:
-                entry = RequestError.of(entry, f"duplicate id {entry.id!r} "
+                entry = RequestError.of(entry, f"duplicate id {brief(entry.id)} "
                                                f"(first used on line {first_line_of[entry.key]})")
             else:
                 first_line_of[entry.key] = number

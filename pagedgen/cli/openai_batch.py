@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedgen.validation import brief
+
 if TYPE_CHECKING:
     from pagedgen.cli.output_files import SampleResult, TokenLogprob
 
@@ -48,8 +50,18 @@ class BatchLine:
 
 
 def _json(value: Any) -> str:
-    """A value as the user wrote it in the batch file (true, null, "text"), not Python's repr."""
-    return json.dumps(value, ensure_ascii=False)
+    """A value as the user wrote it in the batch file (true, null, "text"), not Python's repr;
+    long or nested values are cut, never copied whole into a message."""
+    if isinstance(value, str):
+        return json.dumps(value[:60], ensure_ascii=False) + ("…" if len(value) > 60 else "")
+    if isinstance(value, (bool, float, type(None))) or (isinstance(value, int) and value.bit_length() <= 64):
+        return json.dumps(value)
+    short = brief(value)
+    return short if short.startswith("<") else json.dumps(value, ensure_ascii=False)
+
+
+def _key(key: str) -> str:
+    return key if len(key) <= 60 else key[:60] + "…"
 
 
 def is_batch_line(obj: dict[str, Any]) -> bool:
@@ -59,7 +71,7 @@ def is_batch_line(obj: dict[str, Any]) -> bool:
 def _check_envelope(obj: dict[str, Any]) -> None:
     extra = [k for k in obj if k not in LINE_KEYS]
     if extra:
-        raise ValueError(f"unknown key {extra[0]!r} in a batch line (allowed: {', '.join(LINE_KEYS)})")
+        raise ValueError(f"unknown key {brief(extra[0])} in a batch line (allowed: {', '.join(LINE_KEYS)})")
     if not isinstance(obj.get("custom_id"), str) or not obj["custom_id"]:
         raise ValueError("'custom_id' must be a non-empty string")
     if obj.get("method", "POST") != "POST":
@@ -140,9 +152,9 @@ def _check_body_keys(url: str, body: dict[str, Any]) -> None:
     for key, value in body.items():
         if key in _NO_OP:
             if value not in _NO_OP[key]:
-                raise ValueError(f"body.{key} = {_json(value)} is not supported offline")
+                raise ValueError(f"body.{_key(key)} = {_json(value)} is not supported offline")
         elif key not in known:
-            raise ValueError(f"body.{key} is not supported")
+            raise ValueError(f"body.{_key(key)} is not supported")
 
 
 def parse_batch_line(obj: dict[str, Any]) -> BatchLine:

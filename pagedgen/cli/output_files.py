@@ -111,8 +111,9 @@ def record_key(record: dict[str, Any]) -> str:
 
 def encode_line(record: dict[str, Any]) -> bytes:
     # ensure_ascii=False keeps text readable; one line per record is guaranteed because JSON
-    # escapes newlines inside strings.
-    return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+    # escapes newlines inside strings. A lone surrogate (input lines are checked for them) would
+    # be written as its JSON escape rather than fail the write.
+    return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
 
 
 # --- streaming ---
@@ -129,7 +130,11 @@ class JsonlAppender:
         self.count = 0
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(encode_line(record))
+        self.write_line(encode_line(record))
+
+    def write_line(self, line: bytes) -> None:
+        """One encoded record (`encode_line`), newline included."""
+        self._file.write(line)
         self._file.flush()
         self.count += 1
         self._unsynced += 1

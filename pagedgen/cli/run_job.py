@@ -1,15 +1,18 @@
 """The `pagedgen run` job: config -> requests -> LLM -> files, interruptible without loss.
 
-Order of work: read and validate every input line (bad lines become error records at once);
-open the output (refuse to clobber it, or resume it); load the model only when something is
-left to do; tokenize and check each request against the model; generate, streaming each
-finished request to disk from `on_output`; then write the input-ordered file and the memory
-report. SIGINT/SIGTERM stop the run between two records, never inside one.
+Order of work: check every path the run will write and the run manifest (paths.py,
+manifest.py; `--resume` refuses other settings); read and validate every input line (bad lines
+become error records at once); load the model only when something is left to do; tokenize and
+check each request against the model; generate, streaming each finished request to disk from
+`on_output`; then write the input-ordered file and the memory report. Whatever goes wrong with
+one line or one request becomes that line's error record; only a fault of the whole run
+escapes. SIGINT/SIGTERM stop the run between two records, never inside one.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,56 +23,39 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pagedgen.cli.config import RunConfig
+from pagedgen.cli.input_records import (LineLimits, Request, RequestError, check_parallel,
+                                        line_byte_limit, line_too_long, read_requests)
+from pagedgen.cli.manifest import (ManifestError, RunManifest, differences, load_manifest,
+                                   resume_command, run_settings, save_manifest)
 from pagedgen.cli.output_files import (JsonlAppender, OutputFileError, RequestResult, SampleResult,
-                                    TokenLogprob, completed_keys, error_record, result_record,
-                                    write_atomically, write_ordered)
+                                       TokenLogprob, completed_keys, encode_line, error_record,
+                                       result_record, write_atomically, write_ordered)
+from pagedgen.cli.paths import (JobPaths, UsageError, check_paths, default_output_path,
+                                resolve_paths, sibling)
 from pagedgen.prompts import encode_chat
-from pagedgen.cli.input_records import Request, RequestError, read_requests
+from pagedgen.validation import shorten
 
 if TYPE_CHECKING:
     from pagedgen.llm import LLM
     from pagedgen.engine.outputs import CompletionOutput, RequestOutput
 
+__all__ = ["Job", "JobPaths", "JobSummary", "UsageError", "default_output_path", "load_llm",
+           "make_progress", "prepare", "resolve_paths", "sibling"]
 
-class UsageError(Exception):
-    """Found before anything ran (bad paths, an output that would be clobbered): exit 2."""
 
+class JobInterrupted(BaseException):
+    """SIGINT/SIGTERM. A BaseException, like KeyboardInterrupt, so that the handlers that turn
+    one line's failure into its error record never swallow it."""
 
-class JobInterrupted(Exception):
     def __init__(self, signal_name: str):
         super().__init__(signal_name)
         self.signal_name = signal_name
 
 
-@dataclass(slots=True)
-class JobPaths:
-    input: Path
-    output: Path
-    errors: Path
-    ordered: Path | None        # None: not wanted
-    report_dir: Path | None     # None: no memory report
-
-
-def sibling(path: Path, suffix: str) -> Path:
-    """out.jsonl -> out{suffix} in the same folder, e.g. '.errors.jsonl', '.report'."""
-    stem = path.name.removesuffix(".jsonl")
-    return path.with_name(stem + suffix)
-
-
-def default_output_path(input_path: Path) -> Path:
-    """prompts.jsonl -> prompts.completions.jsonl, next to the input."""
-    return sibling(input_path, ".completions.jsonl")
-
-
-def resolve_paths(input_path: str | Path, config: RunConfig, write_report: bool = True) -> JobPaths:
-    out = config.output
-    output = Path(out.path) if out.path else default_output_path(Path(input_path))
-    return JobPaths(
-        input=Path(input_path), output=output,
-        errors=Path(out.errors_path) if out.errors_path else sibling(output, ".errors.jsonl"),
-        ordered=sibling(output, ".ordered.jsonl") if out.ordered else None,
-        report_dir=(Path(out.report_dir) if out.report_dir else sibling(output, ".report"))
-        if write_report else None)
+def is_stop(exc: BaseException) -> bool:
+    """Exceptions that end the run, never one line (pyo3's PanicException, also a
+    BaseException, is a tokenizer's failure on one input and so is not among them)."""
+    return isinstance(exc, (JobInterrupted, KeyboardInterrupt, SystemExit, GeneratorExit))
 
 
 @dataclass(slots=True)
@@ -136,8 +122,19 @@ def prompt_token_ids(request: Request, tokenizer: Any) -> list[int]:
     if request.prompt_token_ids is not None:
         return request.prompt_token_ids
     if request.messages is None:
-        return tokenizer.encode(request.prompt)
-    return encode_chat(tokenizer, request.messages)[1]   # the same rule as LLM.chat
+        return _guarded("tokenizing the prompt", tokenizer.encode, request.prompt)
+    # The same rule as LLM.chat. A template may raise on purpose (raise_exception in Llama-2 and
+    # Mistral templates, e.g. for roles out of order): that is this line's error.
+    return _guarded("the chat template", encode_chat, tokenizer, request.messages)[1]
+
+
+def _guarded(what: str, function: Any, *args: Any) -> Any:
+    try:
+        return function(*args)
+    except BaseException as exc:  # noqa: BLE001 - tokenizers raise pyo3 panics (BaseException)
+        if is_stop(exc):
+            raise
+        raise ValueError(f"{what} failed: {type(exc).__name__}: {shorten(str(exc))}") from None
 
 
 def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
@@ -155,10 +152,13 @@ class Prepared:
     params: Any                      # SamplingParams
 
 
-def prepare(request: Request, llm: LLM) -> Prepared:
-    """Tokenize and check one request against the loaded model; ValueError says why not."""
+def prepare(request: Request, llm: LLM, max_bytes: int | None = None) -> Prepared:
+    """Tokenize and check one request against the loaded model; ValueError says why not.
+    A line over `max_bytes` is refused before its prompt is tokenized."""
     from pagedgen.engine.sampling_params import SamplingParams
 
+    if max_bytes is not None and request.size > max_bytes:
+        raise ValueError(line_too_long(max_bytes))
     ids = prompt_token_ids(request, llm.get_tokenizer())
     if not ids:
         raise ValueError("the prompt is empty after tokenization")
@@ -235,48 +235,100 @@ def _beam_scores(output: CompletionOutput) -> dict[str, float] | None:
 
 class Job:
     def __init__(self, config: RunConfig, paths: JobPaths, console: Console,
-                 resume: bool = False, overwrite: bool = False, show_progress: bool = True):
+                 resume: bool = False, overwrite: bool = False, show_progress: bool = True,
+                 command: list[str] | None = None):
         self.config, self.paths, self.console = config, paths, console
         self.resume, self.overwrite, self.show_progress = resume, overwrite, show_progress
+        self.command = command or []
         self.signals = StopSignals()
         self.entries: list[Request | RequestError] = []
         self.errors: dict[int, RequestError] = {}       # by input line
         self._errors_file: JsonlAppender | None = None
         self.summary = JobSummary(total=0)
+        self.paths_checked = False      # every target may be written (check_start passed)
 
     # before anything runs: every problem here is a UsageError (exit 2)
-    def read_input(self) -> list[Request]:
-        if not self.paths.input.is_file():
-            raise UsageError(f"{self.paths.input}: no such input file")
-        if self.paths.output.resolve() == self.paths.input.resolve():
-            raise UsageError(f"{self.paths.output}: the output would overwrite the input")
-        self.entries = read_requests(self.paths.input, self.config.sampling)
-        self.summary.total = len(self.entries)
-        return [e for e in self.entries if isinstance(e, Request)]
-
-    def open_output(self, requests: list[Request]) -> list[Request]:
-        """Prepare the output file; returns the requests still to run."""
-        output = self.paths.output
+    def check_start(self) -> RunManifest | None:
+        """Paths, flags and the earlier run's manifest; returns that manifest (or None)."""
         if self.resume and self.overwrite:
             raise UsageError("--resume and --overwrite contradict each other; pass one of them")
-        exists = output.exists() and output.stat().st_size > 0
-        if exists and not (self.resume or self.overwrite):
+        try:  # a default that no line could run with is the config's mistake, not each line's
+            check_parallel(self.config.sampling, self.config.max_num_seqs)
+        except ValueError as exc:
+            raise UsageError(f"sampling defaults: {exc}") from None
+        check_paths(self.paths)
+        try:
+            previous = load_manifest(self.paths.manifest)
+        except ManifestError as exc:
+            raise UsageError(str(exc)) from None
+        self._check_ownership(previous)
+        output = self.paths.output
+        if output.exists() and output.stat().st_size > 0 and not (self.resume or self.overwrite):
             raise UsageError(f"{output} already exists: pass --resume to continue it "
                              "or --overwrite to start over")
-        if self.overwrite:
-            output.unlink(missing_ok=True)
+        self.paths_checked = True
+        return previous
+
+    def _check_ownership(self, previous: RunManifest | None) -> None:
+        """An existing non-empty file the run would write must be one pagedgen wrote."""
+        for what, path in self.paths.targets():
+            if path == self.paths.manifest or not path.exists() or path.stat().st_size == 0:
+                continue
+            if previous is None or not previous.owns(path):
+                raise UsageError(
+                    f"the {what} {path} already exists, and no run manifest ({self.paths.manifest}) "
+                    "lists it as written by pagedgen, so this run will not append to, replace or "
+                    "delete it (nor --resume from it: nothing says which model wrote it). Move it "
+                    "away or choose another path")
+
+    def _check_resumable(self, previous: RunManifest | None, settings: dict[str, Any]) -> None:
+        if not self.resume or previous is None:
+            return
+        changed = differences(previous.settings, settings)
+        if changed:
+            hint = resume_command(previous.command) if previous.command else "the original command"
+            raise UsageError(f"cannot resume {self.paths.output}: it was begun with other settings "
+                             f"({len(changed)} differ):\n  " + "\n  ".join(changed)
+                             + f"\nResume with the same settings ({hint}), "
+                             "or pass --overwrite to start over")
+
+    def open_output(self, requests: list[Request], previous: RunManifest | None) -> list[Request]:
+        """Clean up what the earlier run left, write the manifest; returns requests still to run."""
+        settings = run_settings(self.config, self.paths.input)
+        self._check_resumable(previous, settings)
         try:
-            done = completed_keys(output) if self.resume else set()
+            done = completed_keys(self.paths.output) if self.resume else set()
         except OutputFileError as exc:
             raise UsageError(str(exc)) from None
         # Stale companions of an earlier run would look current: errors are recomputed by this
-        # run, and the ordered file is rewritten only when the run completes.
-        for stale in (self.paths.errors, self.paths.ordered):
-            if stale is not None:
-                stale.unlink(missing_ok=True)
+        # run, and the ordered file is rewritten only when the run completes. Only files that
+        # the manifest says pagedgen created are removed.
+        stale = [self.paths.errors, self.paths.ordered] + ([self.paths.output] if self.overwrite else [])
+        for path in stale:
+            if path is not None and previous is not None and previous.owns(path):
+                path.unlink(missing_ok=True)
+        self._save_manifest(previous, settings)
         pending = [r for r in requests if r.key not in done]
         self.summary.already_done = len(requests) - len(pending)
         return pending
+
+    def _save_manifest(self, previous: RunManifest | None, settings: dict[str, Any]) -> None:
+        keep = self.resume and previous is not None
+        files = {os.path.realpath(p) for _, p in self.paths.targets()}
+        files |= set(previous.files) if previous is not None else set()
+        save_manifest(self.paths.manifest, RunManifest(
+            previous.settings if keep else settings, sorted(files),
+            previous.command if keep and previous.command else self.command))
+
+    def read_input(self) -> list[Request]:
+        limits = LineLimits(line_byte_limit(self.config.max_line_bytes, self.config.max_model_len),
+                            self.config.max_num_seqs)
+        try:
+            self.entries = read_requests(self.paths.input, self.config.sampling, limits)
+        except OSError as exc:
+            raise UsageError(f"{self.paths.input}: cannot read the input: {exc.strerror}") from None
+        self.summary.total = len(self.entries)
+        return [e for e in self.entries if isinstance(e, Request)]
 
     def record_error(self, error: RequestError) -> None:
         with self.signals.deferred():
@@ -287,12 +339,15 @@ class Job:
             self.summary.failed += 1
 
     def prepare_all(self, pending: list[Request], llm: LLM) -> list[Prepared]:
+        max_bytes = line_byte_limit(self.config.max_line_bytes, llm.max_model_len)
         prepared = []
         for request in pending:
             try:
-                prepared.append(prepare(request, llm))
-            except ValueError as exc:
-                self.record_error(RequestError.of(request, str(exc)))
+                prepared.append(prepare(request, llm, max_bytes))
+            except Exception as exc:  # noqa: BLE001 - one request's failure is its error record
+                reason = str(exc) if isinstance(exc, ValueError) else \
+                    f"cannot prepare this request: {type(exc).__name__}: {shorten(str(exc))}"
+                self.record_error(RequestError.of(request, reason))
         return prepared
 
     def generate(self, prepared: list[Prepared], llm: LLM, progress: Progress) -> None:
@@ -301,17 +356,29 @@ class Job:
         model_name, tokenizer = llm.loaded.name, llm.get_tokenizer()
         with JsonlAppender(self.paths.output) as out:
             def on_output(output: RequestOutput) -> None:
-                item = by_key[output.request_id]
-                if output.error:
-                    self.record_error(RequestError.of(item.request, output.error))
-                else:
-                    with self.signals.deferred():
-                        out.write(result_record(to_result(item, output, model_name, tokenizer)))
+                with self.signals.deferred():
+                    line = self._result_line(by_key[output.request_id], output, model_name, tokenizer)
+                    if isinstance(line, RequestError):
+                        self.record_error(line)
+                    else:
+                        out.write_line(line)
                         self.summary.completed += 1
                 progress.advance(task)
             llm.generate([{"prompt_token_ids": p.token_ids} for p in prepared],
                          [p.params for p in prepared], use_tqdm=False, on_output=on_output,
                          request_ids=list(by_key))
+
+    @staticmethod
+    def _result_line(item: Prepared, output: RequestOutput, model_name: str,
+                     tokenizer: Any) -> bytes | RequestError:
+        """The encoded result, or the request's error (its own, or one building its record)."""
+        if output.error:
+            return RequestError.of(item.request, output.error)
+        try:
+            return encode_line(result_record(to_result(item, output, model_name, tokenizer)))
+        except Exception as exc:  # noqa: BLE001 - one request's failure is its error record
+            return RequestError.of(item.request, f"cannot write this result: "
+                                                 f"{type(exc).__name__}: {shorten(str(exc))}")
 
     def finish(self, llm: LLM | None) -> None:
         """The ordered file and the memory report, after a complete run."""
@@ -323,7 +390,9 @@ class Job:
                                                             show_summary=self.show_progress)
 
     def _run(self) -> None:
-        pending = self.open_output(self.read_input())
+        previous = self.check_start()
+        requests = self.read_input()
+        pending = self.open_output(requests, previous)
         for entry in self.entries:
             if isinstance(entry, RequestError):
                 self.record_error(entry)
@@ -337,7 +406,8 @@ class Job:
         self.finish(llm)
 
     def run(self) -> JobSummary:
-        """Runs the job; UsageError escapes (nothing ran), an interruption is in the summary."""
+        """Runs the job; UsageError escapes (nothing ran), an interruption is in the summary,
+        any other exception is a fault of the whole run (the caller logs it: exit 3)."""
         with self.signals.installed():
             try:
                 try:
@@ -372,7 +442,10 @@ def load_llm(config: RunConfig) -> LLM:
     try:
         return build_llm(config)
     except (OSError, ValueError) as exc:  # missing files, bad model folders, impossible sizes
-        raise UsageError(f"cannot load the model: {exc}") from None
+        raise UsageError(f"cannot load the model: {shorten(str(exc), 1000)}") from None
+    except Exception as exc:  # noqa: BLE001 - a corrupt file fails in many libraries' own ways
+        raise UsageError(f"cannot load the model or set up the engine: {type(exc).__name__}: "
+                         f"{shorten(str(exc), 1000)}") from None
 
 
 def make_progress(console: Console, enabled: bool) -> Progress:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from pagedgen.validation import is_int
+from pagedgen.engine.sampling_params import check_field
 
 NO_HYPOTHESIS = float("-inf")
 
@@ -47,27 +47,13 @@ class BeamSearchParams:
     early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
-        for name in ("beam_width", "max_tokens"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                raise ValueError(f"BeamSearchParams.{name} must be an integer >= 1, got {value!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"BeamSearchParams.{name} must be True or False, "
-                                 f"got {getattr(self, name)!r}")
-        _check_number("temperature", self.temperature, 0.0)
-        _check_number("length_penalty", self.length_penalty, None)
+        # The same rules as a JSONL line's fields (sampling_params.py owns them).
+        for name in ("beam_width", "max_tokens", "ignore_eos", "temperature", "length_penalty",
+                     "include_stop_str_in_output"):
+            setattr(self, name, check_field(name, getattr(self, name), "BeamSearchParams.{}"))
         if self.early_stopping not in (False, True, "never"):
             raise ValueError("BeamSearchParams.early_stopping must be False, True or 'never', "
                              f"got {self.early_stopping!r}")
-
-
-def _check_number(name: str, value: Any, minimum: float | None) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value \
-        and abs(value) != float("inf") and (minimum is None or value >= minimum)
-    if not ok:
-        bound = f" >= {minimum}" if minimum is not None else ""
-        raise ValueError(f"BeamSearchParams.{name} must be a finite number{bound}, got {value!r}")
 
 
 def beam_rejection_reason(prompt_len: int, max_tokens: int, width: int, block_size: int,
