@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagedgen.cli.output_files import SampleResult, TokenLogprob
+    from pagedgen.cli.results import SampleResult, TokenLogprob
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

@@ -1,7 +1,6 @@
 """Per-request sampling parameters (vLLM's offline `SamplingParams`, validated).
 
-The vectorized sampler that applies them lives in `pagedgen/engine/sampler.py`; it is re-exported here
-so that `from pagedgen.engine.sampling_params import Sampler` works as the contract says.
+The vectorized sampler that applies them lives in `pagedgen/engine/sampler.py`.
 """
 
 from __future__ import annotations
@@ -135,11 +134,3 @@ def _normalize_stop_token_ids(ids: object) -> list[int]:
         _fail("stop_token_ids", "must be a list of non-negative integers", ids)
     return list(ids)
 
-
-def __getattr__(name: str):
-    # Lazy, so that importing SamplingParams does not pull in torch.
-    if name == "Sampler":
-        from pagedgen.engine.sampler import Sampler
-
-        return Sampler
-    raise AttributeError(f"module 'pagedgen.engine.sampling_params' has no attribute {name!r}")

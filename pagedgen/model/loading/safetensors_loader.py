@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from pagedgen.model.config import ModelConfig
+from pagedgen.model.loading.hf_config import model_config_from_hf
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -30,7 +31,7 @@ def read_hf_config(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
         raw = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"cannot read {config_path}: {error}") from error
-    return ModelConfig.from_hf_dict(raw), raw
+    return model_config_from_hf(raw), raw
 
 
 def safetensors_files(folder: Path) -> list[Path]:
