@@ -12,10 +12,10 @@ from typing import Any, Protocol
 
 import torch
 
-from pagedgen.validation import is_int, require_int
+from pagedgen.engine.config import EngineConfig
 from pagedgen.engine.detokenizer import final_text
 from pagedgen.engine.kv_manager import KVCacheManager
-from pagedgen.engine.scheduler import Scheduler, SchedulerOutput, check_step_budget, rejection_reason
+from pagedgen.engine.scheduler import Scheduler, SchedulerOutput, rejection_reason
 from pagedgen.engine.sequence import Sequence, SequenceGroup, SeqStatus, make_generator
 from pagedgen.engine.stop_checker import StopDecision, check_stop
 from pagedgen.engine.seq_info import SeqMemInfo
@@ -30,25 +30,6 @@ class Runner(Protocol):
     device: torch.device
 
     def execute(self, batch: list, copies: list[tuple[int, int]]) -> torch.Tensor: ...
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = True
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            require_int(name, getattr(self, name))
-        if not is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError("enable_prefix_caching must be True or False, "
-                             f"got {self.enable_prefix_caching!r}")
-        check_step_budget(self.max_num_seqs, self.max_num_batched_tokens)
 
 
 @dataclass(slots=True)
@@ -232,6 +213,11 @@ class LLMEngine:
                                 seq.logprobs, seq.finish_reason, seq.stop_reason)
 
     # --- memory tracking ---
+    def attach_tracker(self, tracker: Any) -> None:
+        """From now on every step is reported to `tracker.record(...)` (memory/tracker.py's
+        shape); None stops the reporting."""
+        self.tracker = tracker
+
     def _record(self) -> None:
         if self.tracker is None:
             return

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedgen.engine.config import check_step_budget
 from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.engine.sequence import Sequence, SeqStatus
 from pagedgen.model.runtime.batch import ScheduledChunk
@@ -171,13 +172,6 @@ class Scheduler:
         self.waiting.extendleft(reversed(victims))  # front of the queue, in their order
         self.stats.preemptions += len(victims)
         state.output.preempted += len(victims)
-
-
-def check_step_budget(max_num_seqs: int, max_num_batched_tokens: int) -> None:
-    if max_num_batched_tokens < max_num_seqs:
-        raise ValueError(
-            f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
-            f"({max_num_seqs}): every running sequence needs one token of the step budget")
 
 
 def rejection_reason(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
