@@ -15,7 +15,7 @@ from gguf.quants import quantize
 
 from pagedgen.model.loading import default_model
 from pagedgen.model.runtime.batch import ScheduledChunk
-from pagedgen.model.config import ModelConfig, UnsupportedModelError
+from pagedgen.model.config import UnsupportedModelError
 from pagedgen.model.dtypes import resolve_dtype
 from pagedgen.model.loading.gguf_file import read_gguf
 from pagedgen.model.loading.hf_config import model_config_from_hf

@@ -7,6 +7,7 @@ batch itself is built by the runner from the scheduled chunks, and the sampler w
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -56,6 +57,7 @@ class LLMEngine:
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.stats = EngineStats()
+        self._phase_hook: Any = None
         self._next_seq_id = 0
         self._rejected: list[RequestOutput] = []
 
@@ -115,11 +117,27 @@ class LLMEngine:
         return list(aborted)
 
     # --- one step ---
+    def set_phase_hook(self, hook: Any) -> None:
+        """Timing for `pagedgen profile`: each step runs inside hook.phase("step"), and its parts
+        inside hook.phase(name) for "scheduling", "forward" (the runner, which times "attention"
+        within it), "sampling"; the rest of the step is bookkeeping. None turns it off."""
+        self._phase_hook = hook
+        if hasattr(self.runner, "set_phase_hook"):
+            self.runner.set_phase_hook(hook)
+
+    def _phase(self, name: str) -> AbstractContextManager:
+        return nullcontext() if self._phase_hook is None else self._phase_hook.phase(name)
+
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns the requests that finished (or failed) in it."""
+        with self._phase("step"):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         finished, self._rejected = self._rejected, []
         self.stats.requests_failed += len(finished)
-        scheduled = self.scheduler.schedule()
+        with self._phase("scheduling"):
+            scheduled = self.scheduler.schedule()
         if not scheduled.chunks and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not schedule anything although requests are "
                                "waiting; the KV pool is too small for the next request")
@@ -131,7 +149,8 @@ class LLMEngine:
 
     def _run(self, scheduled: SchedulerOutput) -> list[Sequence]:
         """Forward, fork, sample, append; returns the sequences that finished."""
-        logits = self.runner.execute(scheduled.chunks, scheduled.copies)
+        with self._phase("forward"):
+            logits = self.runner.execute(scheduled.chunks, scheduled.copies)
         sampled = [s for s, c in zip(scheduled.seqs, scheduled.chunks) if c.sample]
         if not sampled:
             return []
@@ -139,7 +158,9 @@ class LLMEngine:
         if row_index is not None:
             logits = logits.index_select(0, torch.tensor(row_index, device=logits.device))
         batch = build_batch(rows, logits.shape[-1], logits.device)
-        return self._append_tokens(rows, self.sampler(logits, batch), batch.logprob_rows)
+        with self._phase("sampling"):
+            sampled_tokens = self.sampler(logits, batch)
+        return self._append_tokens(rows, sampled_tokens, batch.logprob_rows)
 
     def _fork_where_due(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
         """n > 1 groups whose prompt just finished fork now; every sample then draws its first
@@ -217,6 +238,11 @@ class LLMEngine:
         """From now on every step is reported to `tracker.record(...)` (memory/tracker.py's
         shape); None stops the reporting."""
         self.tracker = tracker
+
+    def reset_tracker(self) -> None:
+        """Start the attached tracker's history afresh (a profile's warm-up must not show)."""
+        if self.tracker is not None:
+            self.tracker.reset()
 
     def _record(self) -> None:
         if self.tracker is None:
