@@ -9,13 +9,17 @@ Triton kernels, with achieved K/V bandwidth (bytes of K/V read / time).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from pagedgen.kernels import torch_ops
-from pagedgen.kernels.paged_batch import PagedBatch, make_paged_batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from paged_batch import PagedBatch, make_paged_batch  # noqa: E402  (a test helper)
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 

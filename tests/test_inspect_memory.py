@@ -15,7 +15,7 @@ from pagedgen.memory.block_map import BlockState, build_pool_map, token_address
 from pagedgen.memory.inspect_report import inspect_report
 from pagedgen.memory.render_map import map_layout, pool_map_text
 from pagedgen.memory.report import build_report
-from pagedgen.memory.simulate import SimRequest, Simulation
+from kv_simulation import SimRequest, Simulation
 from pagedgen.cli.inspect_memory import KVShape, pool_sizing, read_model_shape, sequence_fit
 from pagedgen.memory.tracker import MemoryTracker
 

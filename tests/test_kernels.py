@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedgen.kernels import get_ops, reference, torch_ops
-from pagedgen.kernels.paged_batch import make_paged_batch
+from paged_batch import make_paged_batch
 
 SCALE = 0.3
 

@@ -105,7 +105,7 @@ def test_png_timeline(report, tmp_path):
 def simulated_report(num_blocks: int, num_requests: int, seed: int = 1) -> dict:
     """A model-free run with SmolLM2-135M's KV geometry (bf16: 2,912 blocks of 16 in 1 GiB)."""
     from pagedgen.engine.kv_manager import KVCacheManager
-    from pagedgen.memory.simulate import SimRequest, Simulation
+    from kv_simulation import SimRequest, Simulation
 
     rng = random.Random(seed)
     requests = [SimRequest(f"r{i}", [rng.randrange(5, 9000) for _ in range(rng.randint(20, 60))],
