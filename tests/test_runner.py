@@ -167,16 +167,16 @@ def test_empty_batch_returns_no_logits():
 
 def test_triton_kernels_give_the_same_logits_as_torch_kernels():
     """The CUDA path's kernels, run by the Triton interpreter on CPU, through the same model."""
-    from pagedgen.kernels import torch_ops, triton_ops
+    from pagedgen.kernels import cpu_backend, triton_ops
 
     loaded = tiny_loaded_model("qwen2")
     steps = [[ScheduledChunk(list(range(3, 22)), 0, [2, 0, 3], True), ScheduledChunk([5], 0, [1], True)],
              [ScheduledChunk([30], 19, [2, 0, 3], True), ScheduledChunk([6, 7, 8], 1, [1], True)]]
     logits = {}
-    for ops in (torch_ops, triton_ops):
+    for ops in (cpu_backend, triton_ops):
         runner = ModelRunner(loaded, 8, num_blocks=4, kernels=ops)
         logits[ops] = [runner.execute(chunks, []) for chunks in steps]
-    for expected, got in zip(logits[torch_ops], logits[triton_ops]):
+    for expected, got in zip(logits[cpu_backend], logits[triton_ops]):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedgen.kernels import native, torch_ops
+from pagedgen.kernels import cpu_backend
 from pagedgen.model.layers.linear import AMX_MAX_ROWS
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class FusedDecode:
         (still to be added to `hidden`), or None, untouched, when this step is not covered."""
         plan = step.plan
         tokens = hidden.shape[0]
-        if (step.ops is not torch_ops or plan is None or plan.prefills or plan.decode is None
+        if (step.ops is not cpu_backend or plan is None or plan.prefills or plan.decode is None
                 or tokens > AMX_MAX_ROWS or hidden.dtype != torch.bfloat16
                 or kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous()
                 or step.slot_mapping.dtype != torch.int64 or not hidden.is_contiguous()):
@@ -105,7 +105,7 @@ class FusedDecode:
             step.slot_mapping.data_ptr(), kv_cache.data_ptr(), kv_cache.shape[2] * kv_cache.shape[3],
             decode.tables.data_ptr(), decode.lens.data_ptr(), decode.tables.shape[1],
             *(scratch[name].data_ptr() for name in _SCRATCH))
-        status = native.load().decode_layers_bf16(
+        status = cpu_backend.decode_layers_bf16(
             ctypes.addressof(self.layers), len(self.layers), ctypes.byref(shape),
             ctypes.byref(buffers), torch.get_num_threads())
         if status == 2:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedgen.kernels import native
+from pagedgen.kernels import cpu_backend
 
 AMX_MAX_ROWS = 256  # measured: at 512 rows F.linear is as fast, and x no longer fits L2
 
@@ -34,7 +34,7 @@ def pack_weight(weight: torch.Tensor, rows_hint: int = 64) -> PackedWeight | Non
     """A repacked copy of a [out, in] weight, or None where packing does not apply."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
-    amx = native.amx_pack(weight.detach())
+    amx = cpu_backend.amx_pack(weight.detach())
     if amx is not None:
         return PackedWeight("amx", amx, weight.shape[0])
     if not torch.backends.mkldnn.is_available():
@@ -53,7 +53,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     if packed.kind == "amx":
         if x.shape[0] <= AMX_MAX_ROWS:
-            out = native.amx_linear(x, packed.data, packed.out_features, bias)
+            out = cpu_backend.amx_linear(x, packed.data, packed.out_features, bias)
             if out is not None:
                 return out
         return F.linear(x, weight, bias)
@@ -65,7 +65,7 @@ def linear_float32(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight |
     """linear(x, weight, packed=packed).float(), in one pass where the AMX kernel applies
     (the LM head: the sampler wants float32 logits; ~1.4 ms a decode step of 64 rows)."""
     if packed is not None and packed.kind == "amx" and x.shape[0] <= AMX_MAX_ROWS:
-        out = native.amx_linear(x, packed.data, packed.out_features, out_dtype=torch.float32)
+        out = cpu_backend.amx_linear(x, packed.data, packed.out_features, out_dtype=torch.float32)
         if out is not None:
             return out
     return linear(x, weight, packed=packed).float()

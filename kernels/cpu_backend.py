@@ -16,7 +16,19 @@ from . import native
 from .attention_plan import AttentionPlan, PrefillChunk, plan_attention
 from .checks import check_attention_args, check_copy_args, check_plan_fits, check_store_args
 
-__all__ = ["AttentionPlan", "copy_blocks", "paged_attention", "plan_attention", "store_kv"]
+# The model layers' other CPU fast paths come through here too, so that kernels/native.py stays
+# private to this package. Each returns None where it does not apply (another device or dtype,
+# a CPU without the instructions) and the caller runs plain torch.
+from .native import add_rms_norm, amx_linear, amx_pack, rope, silu_mul  # noqa: E402
+
+__all__ = ["AttentionPlan", "add_rms_norm", "amx_linear", "amx_pack", "copy_blocks", "decode_layers_bf16",
+           "paged_attention", "plan_attention", "rope", "silu_mul", "store_kv"]
+
+
+def decode_layers_bf16(layers: int, num_layers: int, shape: object, buffers: object, threads: int) -> int:
+    """All decoder layers of a pure bf16 decode step in one native call (kernels/cpu_decode_step.c,
+    structs mirrored in pagedgen/model/layers/fused_decode.py): 0 done, 1 not covered, 2 no memory."""
+    return native.load().decode_layers_bf16(layers, num_layers, shape, buffers, threads)
 
 
 def store_kv(
