@@ -13,14 +13,11 @@
  *   - each thread takes a contiguous run of sequences (split by tokens) and prefetches the
  *     next block into L2 while computing the current one, across passes and sequences.
  * In a full decode step the KV is not cache resident (KV plus weights exceed the share of L3
- * a process gets), so what counts is that memory transfers overlap the arithmetic. Measured,
- * batch 64 x context 300, 30 layers of distinct caches, 2 threads, ms per step: arithmetic
- * alone (everything in L2) 8.8 with AMX scores, 11.6 without; the bytes alone, read in this
- * order: 17.4 (15 for a plain sequential stream); the whole kernel 23.1; the earlier one (kv
- * heads in turn, a burst prefetch of the next block's head rows) 28.6. The gap to the memory
- * time is the software prefetches' own limit (each holds one of the core's few line-fill
- * buffers); prefetching a whole pass ahead measured no better. (On 2 MiB pages: 20.2, but
- * faulting them in cost ~1.3 ms per page on this VM, 2.6 s for a 2 GiB pool.)
+ * a process gets), so what counts is that memory transfers overlap the arithmetic. The kernel
+ * comes close to the time of reading its bytes in this order; the gap is the software
+ * prefetches' own limit (each holds one of the core's few line-fill buffers); prefetching a
+ * whole pass ahead was no better, and 2 MiB pages cost more to fault in than they saved
+ * (figures: bench/FIGURES.md).
  * Layouts are those of cpu_decode_attention.c; only the query may have a row stride (it is a
  * view of the fused QKV output, and copying it out would cost a pass over memory).
  */

@@ -31,9 +31,9 @@ ALWAYS_INLINE const uint16_t *block_rows(const Bf16Job *job, const uint16_t *cac
 
 /* Blocks are scattered, so the hardware prefetchers stop at every block boundary: the next
  * block is fetched into L2 (T1: L1 is too small to hold it beside the current one) while the
- * current one is computed, a few lines at a time spread over the computation. A burst of ~100
- * prefetches fills the line-fill buffers and stalls the arithmetic until they land (measured
- * 25.5 ms against 23.9 for the spread T1 form; two blocks ahead: no better). */
+ * current one is computed, a few lines at a time spread over the computation. A burst of
+ * prefetches fills the line-fill buffers and stalls the arithmetic until they land; fetching
+ * two blocks ahead was no better (bench/FIGURES.md). */
 typedef struct {
     const char *next; /* next line to fetch */
     int64_t left;     /* bytes left to fetch of the block ahead */

@@ -181,7 +181,7 @@ def test_report_through_llm_on_a_tiny_model(tmp_path):
 
 
 def test_paging_keeps_utilization_high_where_static_reservation_wastes_it():
-    """Issue 5's figure through the real engine: 64 mixed-length requests, B = 16,
+    """The report's headline figure through the real engine: 64 mixed-length requests, B = 16,
     max_model_len 2,048. Paging fills >= 95% of the slots it allocated at the peak, while a
     static allocator reserving max_model_len per running sequence would use < 40% of its own."""
     from tiny_models import tiny_model_dir

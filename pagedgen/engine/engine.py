@@ -144,7 +144,7 @@ class LLMEngine:
         done = self._run(scheduled) if scheduled.chunks else []
         self.scheduler.finish(done)
         self.stats.steps += 1
-        self._record()  # after finishing (issue 4's order): the timeline ends at 0 blocks
+        self._record()  # after finishing, so that the timeline of a finished run ends at 0 blocks
         return finished + self._finished_requests(done)
 
     def _run(self, scheduled: SchedulerOutput) -> list[Sequence]:

@@ -1,8 +1,8 @@
 """A pure decode step's decoder layers in one native call (CPU, bfloat16, AMX-packed weights).
 
 `LlamaDecoder.forward` runs its layers one module at a time; on CPU that is ten native kernels
-per layer, each opening an OpenMP region, with Python in between while the other thread waits
-(~8 ms of a ~53 ms decode step at batch 64 on the default model, 2 threads).
+per layer, each opening an OpenMP region, with Python in between while the other threads wait
+(a noticeable share of a decode step: bench/FIGURES.md).
 `kernels/cpu_decode_step.c` runs the same kernels in the same order inside one region, so the
 result is bit-identical; this module describes the weights to it once and the step's buffers
 on every call. Anything it does not cover (prefill chunks, float32, Qwen3's q/k norm, no
