@@ -20,6 +20,7 @@ from pagedgen.engine.builder import build_engine
 from pagedgen.engine.config import EngineConfig
 from pagedgen.memory.report import build_report
 from pagedgen.memory.tracker import MemoryTracker
+from pagedgen.model.device import resolve_device
 from pagedgen.model.loading.loader import load_model
 from pagedgen.engine.outputs import RequestOutput
 from pagedgen.progress import GenerationProgress
@@ -47,7 +48,7 @@ class LLM:
         self.config = EngineConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
                                    enable_prefix_caching, seed, block_size,
                                    _one_block_count(num_blocks, num_gpu_blocks), kv_memory)
-        self.loaded = load_model(model, None if dtype == "auto" else dtype, _resolve_device(device))
+        self.loaded = load_model(model, None if dtype == "auto" else dtype, resolve_device(device))
         self.engine = build_engine(self.loaded, self.config)
         self.runner = self.engine.runner
         self.max_model_len = self.engine.config.max_model_len
@@ -139,12 +140,6 @@ def _set_threads(threads: int | None) -> None:
         return
     require_int("threads", threads)
     torch.set_num_threads(threads)
-
-
-def _resolve_device(device: str | None) -> str:
-    if device in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 def _one_block_count(num_blocks: int | None, num_gpu_blocks: int | None) -> int | None:

@@ -18,6 +18,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 
 from pagedgen.memory.render import human_bytes
+from pagedgen.model.device import resolve_device
 from pagedgen.model.dtypes import resolve_dtype
 from pagedgen.model.loading.source import locate_model, read_model_config
 from pagedgen.model.runtime.kv_cache import dtype_bytes, kv_bytes_per_token, size_kv_pool
@@ -114,9 +115,7 @@ def read_model_shape(model: str | Path | None) -> ModelShape:
 
 def sizing_for_config(config: Any, seq_lens: Sequence[int] = ()) -> dict[str, Any]:
     """config: a RunConfig (model, dtype, device, block_size, kv_memory | num_blocks, max_model_len)."""
-    import torch
-
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if config.device in (None, "auto") else config.device
+    device = resolve_device(config.device)
     shape = read_model_shape(config.model)
     dtype = str(resolve_dtype(None if config.dtype == "auto" else config.dtype, device)).removeprefix("torch.")
     kv = KVShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
