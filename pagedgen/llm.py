@@ -17,7 +17,7 @@ import torch
 
 from pagedgen.validation import require_int
 from pagedgen.engine.builder import build_engine
-from pagedgen.engine.config import EngineConfig
+from pagedgen.engine.engine_config import EngineConfig
 from pagedgen.memory.report import build_report
 from pagedgen.memory.tracker import MemoryTracker
 from pagedgen.model.device import resolve_device

@@ -132,7 +132,7 @@ def test_llm_and_the_run_config_share_the_engine_defaults():
     import inspect
 
     from pagedgen import LLM
-    from pagedgen.engine.config import EngineConfig
+    from pagedgen.engine.engine_config import EngineConfig
 
     signature = inspect.signature(LLM.__init__).parameters
     engine, run = EngineConfig(), RunConfig()

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import yaml
 
 from pagedgen.validation import int_at_least, is_int
-from pagedgen.engine.config import EngineConfig
+from pagedgen.engine.engine_config import EngineConfig
 from pagedgen.cli.input_records import validate_sampling_fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pagedgen.engine.config import EngineConfig
+from pagedgen.engine.engine_config import EngineConfig
 from pagedgen.engine.engine import LLMEngine
 from pagedgen.model.loading.loader import LoadedModel
 from pagedgen.model.runtime.runner import ModelRunner

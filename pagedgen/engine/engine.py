@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pagedgen.engine.config import EngineConfig
+from pagedgen.engine.engine_config import EngineConfig
 from pagedgen.engine.detokenizer import final_text
 from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.engine.scheduler import Scheduler, SchedulerOutput, rejection_reason

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedgen.engine.config import check_step_budget
+from pagedgen.engine.engine_config import check_step_budget
 from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.engine.sequence import Sequence, SeqStatus
 from pagedgen.model.runtime.batch import ScheduledChunk
