@@ -45,11 +45,11 @@ class LLM:
                  seed: int = 0, threads: int | None = None) -> None:
         _set_threads(threads)
         # Checked before the (slow) model load, so that a typo fails at once.
-        self.config = EngineConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
-                                   enable_prefix_caching, seed, block_size,
-                                   _one_block_count(num_blocks, num_gpu_blocks), kv_memory)
+        config = EngineConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
+                              enable_prefix_caching, seed, block_size,
+                              _one_block_count(num_blocks, num_gpu_blocks), kv_memory)
         self.loaded = load_model(model, None if dtype == "auto" else dtype, resolve_device(device))
-        self.engine = build_engine(self.loaded, self.config)
+        self.engine = build_engine(self.loaded, config)  # engine.config: max_model_len resolved
         self.runner = self.engine.runner
         self.max_model_len = self.engine.config.max_model_len
         self.tracker = self._build_tracker(block_size)
