@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Group, RenderableType
 from rich.table import Table
 
+from pagedgen.engine.engine_config import resolve_max_model_len
 from pagedgen.memory.render import human_bytes
 from pagedgen.model.device import resolve_device
 from pagedgen.model.dtypes import resolve_dtype
@@ -121,8 +122,8 @@ def sizing_for_config(config: Any, seq_lens: Sequence[int] = ()) -> dict[str, An
     kv = KVShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
     size = dict(kv_memory_bytes=config.kv_memory, num_blocks=config.num_blocks, device=device)
     probe = pool_sizing(kv, config.block_size, shape.max_position_embeddings, **size)
-    # The same rule as LLM: the model's length, capped by what the pool can hold at all.
-    max_model_len = config.max_model_len or min(shape.max_position_embeddings, probe.pool_tokens)
+    max_model_len = resolve_max_model_len(config.max_model_len, shape.max_position_embeddings,
+                                          probe.pool_tokens)   # the rule LLM follows
     sizing = pool_sizing(kv, config.block_size, max_model_len, **size)
     lengths = list(seq_lens) or [n for n in DEFAULT_SEQ_LENS if n < max_model_len] + [max_model_len]
     return {**sizing_dict(sizing, lengths, shape.name), "device": device}

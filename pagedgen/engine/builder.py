@@ -6,28 +6,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pagedgen.engine.engine_config import EngineConfig
+from pagedgen.engine.engine_config import EngineConfig, resolve_max_model_len
 from pagedgen.engine.engine import LLMEngine
 from pagedgen.model.loading.loader import LoadedModel
 from pagedgen.model.runtime.runner import ModelRunner
 
 
 def build_engine(loaded: LoadedModel, config: EngineConfig) -> LLMEngine:
-    """The engine's config is `config` with max_model_len resolved (see resolve_max_model_len)."""
+    """The engine's config is `config` with max_model_len resolved (engine_config.py)."""
     runner = ModelRunner(loaded, config.block_size, num_blocks=config.num_blocks,
                          kv_memory_bytes=config.kv_memory)
     max_model_len = resolve_max_model_len(config.max_model_len, loaded.config.max_position_embeddings,
                                           runner.num_blocks * config.block_size)
     return LLMEngine(runner, loaded.tokenizer, loaded.eos_token_ids,
                      replace(config, max_model_len=max_model_len), hash_extra_key=loaded.name)
-
-
-def resolve_max_model_len(requested: int | None, max_positions: int, pool_tokens: int) -> int:
-    """None: the model's length, capped by what the pool can hold at all. A requested length
-    above the pool's capacity is allowed: requests that would not fit fail alone, with a reason."""
-    if requested is None:
-        return min(max_positions, pool_tokens)
-    if requested > max_positions:
-        raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings "
-                         f"({max_positions}); lower --max-model-len")
-    return requested

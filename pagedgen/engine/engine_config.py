@@ -13,7 +13,7 @@ from pagedgen.validation import is_int, require_int
 class EngineConfig:
     max_num_seqs: int = 256              # vLLM's default
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None     # None: the model's length, capped by the pool (builder.py)
+    max_model_len: int | None = None     # None: the model's length, capped by the pool (below)
     enable_prefix_caching: bool = True
     seed: int = 0
     block_size: int = 16
@@ -41,3 +41,14 @@ def check_step_budget(max_num_seqs: int, max_num_batched_tokens: int) -> None:
         raise ValueError(
             f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
             f"({max_num_seqs}): every running sequence needs one token of the step budget")
+
+
+def resolve_max_model_len(requested: int | None, max_positions: int, pool_tokens: int) -> int:
+    """None: the model's length, capped by what the pool can hold at all. A requested length
+    above the pool's capacity is allowed: requests that would not fit fail alone, with a reason."""
+    if requested is None:
+        return min(max_positions, pool_tokens)
+    if requested > max_positions:
+        raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings "
+                         f"({max_positions}); lower --max-model-len")
+    return requested
