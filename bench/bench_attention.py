@@ -1,7 +1,7 @@
 """Time paged attention: decode (batch 64, context ~300) and prefill (2048 tokens).
 
 SmolLM2-135M shape: 9 query heads, 3 kv heads, head_dim 64, block size 16.
-CPU: torch_ops (with a per-step plan, and the plan's own cost). CUDA: torch_ops and the
+CPU: cpu_backend (with a per-step plan, and the plan's own cost). CUDA: cpu_backend and the
 Triton kernels, with achieved K/V bandwidth (bytes of K/V read / time).
 
     python bench/bench_attention.py [--threads 1] [--iters 20] [--device cpu|cuda]
@@ -9,13 +9,17 @@ Triton kernels, with achieved K/V bandwidth (bytes of K/V read / time).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from pagedgen.kernels import torch_ops
-from pagedgen.kernels.paged_batch import PagedBatch, make_paged_batch
+from pagedgen.kernels import cpu_backend
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from paged_batch import PagedBatch, make_paged_batch  # noqa: E402  (a test helper)
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -57,10 +61,10 @@ def kv_bytes_read(batch: PagedBatch) -> int:
 def bench_case(name: str, batch: PagedBatch, iters: int, device: str) -> None:
     scale = HEAD_DIM ** -0.5
     args = batch.attention_args()
-    plan_ms = time_ms(lambda: torch_ops.plan_attention(*args[3:], BLOCK_SIZE), iters, device)
-    plan = torch_ops.plan_attention(*args[3:], BLOCK_SIZE)
-    torch_ms = time_ms(lambda: torch_ops.paged_attention(*args, scale, plan=plan), iters, device)
-    print(f"{name:28s} torch_ops {torch_ms:8.3f} ms/call   plan {plan_ms:6.3f} ms/step")
+    plan_ms = time_ms(lambda: cpu_backend.plan_attention(*args[3:], BLOCK_SIZE), iters, device)
+    plan = cpu_backend.plan_attention(*args[3:], BLOCK_SIZE)
+    torch_ms = time_ms(lambda: cpu_backend.paged_attention(*args, scale, plan=plan), iters, device)
+    print(f"{name:28s} cpu_backend {torch_ms:8.3f} ms/call   plan {plan_ms:6.3f} ms/step")
     if device == "cuda":
         from pagedgen.kernels import triton_ops
         triton_plan = triton_ops.plan_attention(*args[3:], BLOCK_SIZE)

@@ -192,7 +192,7 @@ void decode_attention_team(const DecodeAttention *a, int *failed) {
 /* Returns 0 on success, 1 on unsupported shapes or allocation failure (caller falls back).
  * Threads: OpenMP. torch loads its libgomp.so.1 before this library, so the dynamic loader
  * binds us to that same runtime and we share torch's thread pool. (A second pool, or
- * pthreads of our own, fought torch's spinning workers for the 2 cores: 15x slower.) */
+ * pthreads of our own, fought torch's spinning workers for the cores: many times slower.) */
 int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, int64_t max_blocks,
                            const int64_t *seq_lens, void *out, int num_seqs, int num_q_heads,

@@ -13,14 +13,11 @@
  *   - each thread takes a contiguous run of sequences (split by tokens) and prefetches the
  *     next block into L2 while computing the current one, across passes and sequences.
  * In a full decode step the KV is not cache resident (KV plus weights exceed the share of L3
- * a process gets), so what counts is that memory transfers overlap the arithmetic. Measured,
- * batch 64 x context 300, 30 layers of distinct caches, 2 threads, ms per step: arithmetic
- * alone (everything in L2) 8.8 with AMX scores, 11.6 without; the bytes alone, read in this
- * order: 17.4 (15 for a plain sequential stream); the whole kernel 23.1; the earlier one (kv
- * heads in turn, a burst prefetch of the next block's head rows) 28.6. The gap to the memory
- * time is the software prefetches' own limit (each holds one of the core's few line-fill
- * buffers); prefetching a whole pass ahead measured no better. (On 2 MiB pages: 20.2, but
- * faulting them in cost ~1.3 ms per page on this VM, 2.6 s for a 2 GiB pool.)
+ * a process gets), so what counts is that memory transfers overlap the arithmetic. The kernel
+ * comes close to the time of reading its bytes in this order; the gap is the software
+ * prefetches' own limit (each holds one of the core's few line-fill buffers); prefetching a
+ * whole pass ahead was no better, and 2 MiB pages cost more to fault in than they saved
+ * (figures: bench/FIGURES.md).
  * Layouts are those of cpu_decode_attention.c; only the query may have a row stride (it is a
  * view of the fused QKV output, and copying it out would cost a pass over memory).
  */
@@ -37,21 +34,12 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "cpu_decode_bf16_blocks.h"
 #include "cpu_x86_common.h"
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define CHUNK 16 /* scores summed per transpose-add tree: one per float32 lane */
 #define MAX_GROUP 8 /* query heads per kv head (specialisations below) */
 #define MAX_VECS 8  /* float32 vectors per head row: head_dim 128 */
-
-typedef struct {
-    const uint16_t *q, *k_cache, *v_cache;
-    const int64_t *block_tables, *seq_lens;
-    uint16_t *out;
-    int64_t q_stride, max_blocks;
-    int num_q_heads, num_kv_heads, block_size;
-    float scale;
-} Bf16Job;
 
 /* Lane t of the result = sum of the 16 lanes of v[t]. */
 ALWAYS_INLINE __m512 sum16(const __m512 v[CHUNK]) {
@@ -75,61 +63,6 @@ ALWAYS_INLINE __m512 sum16(const __m512 v[CHUNK]) {
 ALWAYS_INLINE __m512 bf16x16_to_f32(const uint16_t *src) {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-/* K or V rows of token 0 of logical block `index` (all kv heads; the block's tokens follow at
- * a stride of num_kv_heads * DIM elements). */
-ALWAYS_INLINE const uint16_t *block_rows(const Bf16Job *job, const uint16_t *cache,
-                                         const int64_t *table, int64_t index, int DIM) {
-    return cache + table[index] * job->block_size * job->num_kv_heads * DIM;
-}
-
-/* Blocks are scattered, so the hardware prefetchers stop at every block boundary: the next
- * block is fetched into L2 (T1: L1 is too small to hold it beside the current one) while the
- * current one is computed, a few lines at a time spread over the computation. A burst of ~100
- * prefetches fills the line-fill buffers and stalls the arithmetic until they land (measured
- * 25.5 ms against 23.9 for the spread T1 form; two blocks ahead: no better). */
-typedef struct {
-    const char *next; /* next line to fetch */
-    int64_t left;     /* bytes left to fetch of the block ahead */
-} Prefetch;
-
-/* The block a pass's last block hands the prefetching on to: the first block of the pass that
- * follows (V after K; the next sequence's K after V), or none. */
-typedef struct {
-    const char *rows;
-    int64_t bytes;
-} NextPass;
-
-ALWAYS_INLINE NextPass first_block(const Bf16Job *job, const uint16_t *cache, int seq, int DIM) {
-    NextPass next = {NULL, 0};
-    if (seq < 0) return next;
-    const int64_t len = job->seq_lens[seq];
-    const int64_t *table = job->block_tables + (int64_t)seq * job->max_blocks;
-    next.rows = (const char *)block_rows(job, cache, table, 0, DIM);
-    next.bytes = (len < job->block_size ? len : job->block_size) * job->num_kv_heads * DIM * 2;
-    return next;
-}
-
-ALWAYS_INLINE Prefetch prefetch_ahead_start(const Bf16Job *job, const uint16_t *cache,
-                                            const int64_t *table, int64_t start, int64_t len,
-                                            NextPass then, int DIM) {
-    Prefetch fetch = {NULL, 0};
-    const int64_t ahead = start + job->block_size;
-    if (ahead >= len) {
-        fetch.next = then.rows;
-        fetch.left = then.bytes;
-        return fetch;
-    }
-    fetch.next = (const char *)block_rows(job, cache, table, ahead / job->block_size, DIM);
-    int64_t tokens = len - ahead < job->block_size ? len - ahead : job->block_size;
-    fetch.left = tokens * job->num_kv_heads * DIM * 2;
-    return fetch;
-}
-
-ALWAYS_INLINE void prefetch_some(Prefetch *fetch, int64_t bytes) {
-    for (; fetch->left > 0 && bytes > 0; bytes -= 64, fetch->left -= 64, fetch->next += 64)
-        _mm_prefetch(fetch->next, _MM_HINT_T1);
 }
 
 /* Lane t: q . row t, for the first n of 16 rows `stride` elements apart (lanes >= n: 0). */
@@ -250,9 +183,7 @@ ALWAYS_INLINE void weigh_values(const Bf16Job *job, const int64_t *table, int64_
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include "cpu_decode_scores_amx.h" /* score_keys_amx, softmax_columns: defines AMX_SCORES */
-#endif
+#include "cpu_decode_scores_amx.h" /* with AMX: score_keys_amx, softmax_columns, AMX_SCORES */
 
 /* Per-thread scratch: scores, per-head max and 1/sum (16 at least), V sums; with AMX, Q^T. */
 typedef struct {

@@ -1,5 +1,5 @@
-/* The AMX score path of cpu_decode_attention_bf16.c, included by it where the build has AMX
- * (it uses that file's Bf16Job, block_rows and prefetch helpers; cpu_x86_common.h).
+/* The AMX score path of cpu_decode_attention_bf16.c, included by it; empty where the build
+ * has no AMX. Defines AMX_SCORES when present.
  *
  * Scores on the AMX tile unit: for 16 keys at a time, S^T[16 keys][16 columns] = K . Q^T, one
  * product per (kv head, 32 dims), with K's rows loaded straight from the cache as the left
@@ -7,6 +7,20 @@
  * kv head (the other columns zero). ~6 tile products for 16 keys x 9 heads against ~700 vector
  * instructions on the dot-product path. The scores come out key-major, 16 per key.
  */
+#ifndef PAGEDGEN_CPU_DECODE_SCORES_AMX_H
+#define PAGEDGEN_CPU_DECODE_SCORES_AMX_H
+
+#include "cpu_decode_bf16_blocks.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && \
+    defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <float.h>
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_x86_common.h"
+
 #define AMX_SCORES 1
 #define TILE_WORDS 256 /* 16 rows x 16 pairs of bf16 */
 
@@ -76,3 +90,6 @@ ALWAYS_INLINE void softmax_columns(float *scores, int64_t len, float scale, floa
     }
     _mm512_storeu_ps(inv_sum, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
 }
+
+#endif
+#endif

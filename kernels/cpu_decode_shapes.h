@@ -2,6 +2,10 @@
  * specialised code for (constant loop bounds: unrolled and vectorised), shared by
  * cpu_decode_attention.c and cpu_decode_attention_bf16.c; other shapes take a generic path
  * (the portable kernel) or decline (the bf16 kernel). X is called as X(DIM, GROUP). */
+#ifndef PAGEDGEN_CPU_DECODE_SHAPES_H
+#define PAGEDGEN_CPU_DECODE_SHAPES_H
+
 #define DECODE_SHAPES(X) \
     X(64, 1) X(64, 2) X(64, 3) X(64, 4) X(64, 8) X(128, 1) X(128, 2) X(128, 4) X(128, 8)
 
+#endif

@@ -3,8 +3,8 @@
  *
  * Why: the same step through Python calls ten kernels per layer, each opening and closing a
  * parallel region, with the interpreter's work for the layer in between, during which the
- * other thread has nothing to do. At batch 64 that was ~8 ms of a ~53 ms step (SmolLM2-135M,
- * 30 layers, 2 threads). Here the kernels run back to back, separated by barriers only.
+ * other threads have nothing to do (a noticeable share of a decode step: bench/FIGURES.md).
+ * Here the kernels run back to back, separated by barriers only.
  * The arithmetic is the same functions in the same order as the Python path
  * (pagedgen/model/layers/llama.py with the native kernels), so the results are bit-identical.
  */

@@ -2,9 +2,9 @@
  *
  * Why: a decode step multiplies a few dozen token rows by every weight of the model, so its
  * GEMMs are bound by streaming the weights from memory. Through torch, oneDNN's AMX kernel
- * reached ~9-12 GB/s of weights on this 2-core VM plus ~30 us of fixed cost per call (121 calls
- * per step); this kernel streams each weight panel once per call, prefetching the next panel
- * while the tile unit works on the current one, and is called through ctypes for ~5 us.
+ * streamed the weights slowly and had a large fixed cost per call, paid over a hundred times a
+ * step; this kernel streams each weight panel once per call, prefetching the next panel while
+ * the tile unit works on the current one, and costs little to call (bench/FIGURES.md).
  *
  * Weights are repacked once at start-up (amx_pack_weight) into the tile unit's VNNI layout:
  * for each block of 16 output columns and 32 inputs, a 1 KB tile whose row k2 holds, for each
@@ -59,8 +59,8 @@ int amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
 /* Tile use (configure_full_tiles): 0-3 accumulators of row blocks 0-3; 4 and 6: x row blocks;
  * 5 and 7: weight tiles. */
 
-/* Into L2 (T1), not L1: a panel ahead is up to ~36 KB, most of L1; measured 5-15% faster per
- * GEMM at M = 16-64 (e.g. the LM head, 64 rows: 4.33 -> 3.71 ms). */
+/* Into L2 (T1), not L1: a panel ahead is up to ~36 KB, most of L1, and fetching it into L1
+ * evicted the current panel (T1 was faster at M = 16-64: bench/FIGURES.md). */
 ALWAYS_INLINE void prefetch_tile(const uint16_t *tile) {
     for (int line = 0; line < 16; line++)
         _mm_prefetch((const char *)(tile + line * 32), _MM_HINT_T1);

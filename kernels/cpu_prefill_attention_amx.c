@@ -1,9 +1,8 @@
 /* Causal attention of one prefill chunk on AMX tiles, flash-attention style (bfloat16).
  *
- * Why: torch's SDPA for bf16 on this CPU ran at 160-500 GFLOP/s (q_len 128-2048, 9 query heads,
- * 3 kv heads, head_dim 64, 2 threads), its softmax exp the largest part, while the tile unit
- * does the GEMMs of a prefill at ~2.2 TFLOP/s; prefill attention was ~45% of a 2,048-token
- * prefill step of the default model.
+ * Why: torch's SDPA for bf16 on CPU runs far below what the tile unit does for the GEMMs of a
+ * prefill, its softmax exp the largest part, and prefill attention was a large share of a long
+ * prefill step of the default model (bench/FIGURES.md).
  *
  * The chunk's q_len queries sit at positions context_len - q_len .. context_len - 1 of a
  * sequence whose K/V (context_len tokens, the chunk's own included) are in the paged cache.

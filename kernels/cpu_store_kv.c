@@ -1,7 +1,7 @@
 /* Writes the new tokens' K and V rows into their cache slots (the CPU store_kv).
  *
- * Why C: torch's index_copy_ into the [N * B, H_kv, D] cache took 100-200 us per call at decode
- * sizes (64 rows of a few hundred bytes), 60 calls per step.
+ * Why C: torch's index_copy_ into the [N * B, H_kv, D] cache has a large fixed cost per call at
+ * decode sizes (a few dozen rows of a few hundred bytes), paid twice per layer every step.
  * Rows are copied as bytes, so any dtype works; the source rows may be strided (K and V are
  * views of the fused QKV output). Slot -1 skips the token (docs/contracts.md section 2); a
  * slot past the cache fails the whole call before anything is written (returns 1).
@@ -13,8 +13,7 @@
 #include "cpu_team_ops.h"
 
 /* This thread's share of the rows. The slots are scattered over the cache and their lines are
- * cold: request all of them first so the misses overlap, then copy (measured: 2.4 -> 1.0 ms
- * per decode step of 64 sequences, 60 calls). */
+ * cold: request all of them first so the misses overlap, then copy (bench/FIGURES.md). */
 void store_kv_team(const void *key, int64_t key_stride_bytes, const void *value,
                    int64_t value_stride_bytes, void *k_cache, void *v_cache, const int64_t *slots,
                    int64_t rows, int64_t row_bytes) {

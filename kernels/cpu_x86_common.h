@@ -1,10 +1,14 @@
 /* Small x86 helpers shared by the C kernels: the AMX tile configuration they all use and a
- * vectorised exp. Include after <immintrin.h>, inside the feature guards of the includer. */
+ * vectorised exp, each present where the build has the instructions it needs. */
 #ifndef PAGEDGEN_CPU_X86_COMMON_H
 #define PAGEDGEN_CPU_X86_COMMON_H
 
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__AMX_TILE__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #if defined(__AMX_TILE__)
 typedef struct {

@@ -32,7 +32,7 @@ SOURCES = [Path(__file__).with_name(name)
                         "cpu_prefill_attention_amx.c")]
 HEADERS = [Path(__file__).with_name(name)  # part of the cache key
            for name in ("cpu_decode_shapes.h", "cpu_team_ops.h", "cpu_decode_scores_amx.h",
-                        "cpu_x86_common.h")]
+                        "cpu_decode_bf16_blocks.h", "cpu_x86_common.h")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
     "paged_decode_attention": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +

@@ -1,7 +1,7 @@
 """Deliberately simple paged-KV kernels: the test oracle.
 
 Every function here favours obviousness over speed: one sequence at a time, explicit gathers
-through the block table, an explicit float32 softmax. The fast paths (torch_ops, triton_ops)
+through the block table, an explicit float32 softmax. The fast paths (cpu_backend, triton_ops)
 are checked against these; these are checked once against dense causal attention.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Triton paged-KV kernels (the CUDA path), same signatures as torch_ops.
+"""Triton paged-KV kernels (the CUDA path), same signatures as cpu_backend.
 
 Also runs on CPU tensors under TRITON_INTERPRET=1 (set before this module is imported),
 which is how the tests check it on machines without a GPU.

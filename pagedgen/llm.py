@@ -16,12 +16,12 @@ from typing import Any
 import torch
 
 from pagedgen.validation import require_int
-from pagedgen.defaults import default_kv_memory
-from pagedgen.engine.engine import EngineConfig, LLMEngine
+from pagedgen.engine.builder import build_engine
+from pagedgen.engine.engine_config import EngineConfig
 from pagedgen.memory.report import build_report
 from pagedgen.memory.tracker import MemoryTracker
+from pagedgen.model.device import resolve_device
 from pagedgen.model.loading.loader import load_model
-from pagedgen.model.runtime.runner import ModelRunner
 from pagedgen.engine.beam_search import BeamSearchParams
 from pagedgen.engine.outputs import BeamSearchOutput, RequestOutput, Usage
 from pagedgen.progress import GenerationProgress
@@ -48,21 +48,17 @@ class LLM:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  seed: int = 0, threads: int | None = None, tokenizer: str | None = None) -> None:
         _set_threads(threads)
-        require_int("block_size", block_size)
         # Checked before the (slow) model load, so that a typo fails at once.
-        EngineConfig(max_num_seqs, max_num_batched_tokens, 1, enable_prefix_caching, seed)
-        device = _resolve_device(device)
-        num_blocks, kv_memory = _pool_size(num_blocks, num_gpu_blocks, kv_memory, device)
-        self.loaded = load_model(model, None if dtype == "auto" else dtype, device, tokenizer)
-        self.runner = ModelRunner(self.loaded, block_size, num_blocks=num_blocks,
-                                  kv_memory_bytes=kv_memory)
-        self.max_model_len = _resolve_max_model_len(
-            max_model_len, self.loaded.config.max_position_embeddings, self.runner.num_blocks * block_size)
-        config = EngineConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len,
-                              enable_prefix_caching, seed)
+        config = EngineConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
+                              enable_prefix_caching, seed, block_size,
+                              _one_block_count(num_blocks, num_gpu_blocks), kv_memory)
+        self.loaded = load_model(model, None if dtype == "auto" else dtype, resolve_device(device),
+                                 tokenizer)
+        self.engine = build_engine(self.loaded, config)  # engine.config: max_model_len resolved
+        self.runner = self.engine.runner
+        self.max_model_len = self.engine.config.max_model_len
         self.tracker = self._build_tracker(block_size)
-        self.engine = LLMEngine(self.runner, self.loaded.tokenizer, self.loaded.eos_token_ids, config,
-                                self.tracker, hash_extra_key=self.loaded.name)
+        self.engine.attach_tracker(self.tracker)
         self._request_counter = 0
         self._tree = TreeRollouts(self)
 
@@ -216,29 +212,8 @@ def _set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-def _resolve_device(device: str | None) -> str:
-    if device in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def _pool_size(num_blocks: int | None, num_gpu_blocks: int | None, kv_memory: int | None,
-               device: str) -> tuple[int | None, int | None]:
-    """(num_blocks, kv_memory bytes) for the runner; the shared default when neither is given."""
+def _one_block_count(num_blocks: int | None, num_gpu_blocks: int | None) -> int | None:
+    """num_gpu_blocks is vLLM's name for the same count."""
     if num_blocks is not None and num_gpu_blocks is not None and num_blocks != num_gpu_blocks:
         raise ValueError("give num_blocks or num_gpu_blocks, not two different values")
-    num_blocks = num_blocks if num_blocks is not None else num_gpu_blocks
-    if num_blocks is None and kv_memory is None:
-        kv_memory = default_kv_memory(torch.device(device).type)
-    return num_blocks, kv_memory
-
-
-def _resolve_max_model_len(requested: int | None, max_positions: int, pool_tokens: int) -> int:
-    if requested is None:
-        return min(max_positions, pool_tokens)
-    require_int("max_model_len", requested)
-    if requested > max_positions:
-        raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings "
-                         f"({max_positions}); lower --max-model-len")
-    # Above the pool's capacity is allowed: requests that would not fit fail alone, with a reason.
-    return requested
+    return num_blocks if num_blocks is not None else num_gpu_blocks

@@ -125,3 +125,17 @@ def test_parse_size(text, expected):
 def test_parse_size_rejects(bad):
     with pytest.raises(ValueError):
         parse_size(bad)
+
+
+def test_llm_and_the_run_config_share_the_engine_defaults():
+    """One set of defaults: LLM(), `pagedgen run` (and so configs/default.yaml) and the engine."""
+    import inspect
+
+    from pagedgen import LLM
+    from pagedgen.engine.engine_config import EngineConfig
+
+    signature = inspect.signature(LLM.__init__).parameters
+    engine, run = EngineConfig(), RunConfig()
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
+                 "seed", "block_size", "num_blocks", "kv_memory"):
+        assert signature[name].default == getattr(engine, name) == getattr(run, name), name

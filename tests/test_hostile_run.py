@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import pagedgen.cli.prepare as prepare_module
 import pagedgen.cli.run_job as run_job
 from pagedgen.cli.app import app
 from tiny_models import tiny_model_dir
@@ -217,8 +218,8 @@ def test_one_line_never_ends_the_run(tmp_path, config_path, raising_template_mod
 def test_line_byte_limit_is_configurable(tmp_path, config_path, monkeypatch):
     inputs = write_lines(tmp_path / "in.jsonl", [GOOD, {"id": "wide", "prompt": "q" * 500}])
     calls = []
-    real = run_job.prompt_token_ids
-    monkeypatch.setattr(run_job, "prompt_token_ids", lambda r, t: calls.append(r.id) or real(r, t))
+    real = prepare_module.prompt_token_ids
+    monkeypatch.setattr(prepare_module, "prompt_token_ids", lambda r, t: calls.append(r.id) or real(r, t))
     result = run_cli(inputs, "-c", config_path, "--max-line-bytes", "200", "--no-report")
     assert result.exit_code == 1
     [error] = read_jsonl(tmp_path / "in.completions.errors.jsonl")
@@ -235,8 +236,8 @@ def test_long_line_is_refused_before_tokenizing_with_the_default_limit(tmp_path,
                       "sampling:\n  max_tokens: 2\n  temperature: 0\n")
     inputs = write_lines(tmp_path / "in.jsonl", [GOOD, {"id": "50k-tokens", "prompt": "word " * 40_000}])
     calls = []
-    real = run_job.prompt_token_ids
-    monkeypatch.setattr(run_job, "prompt_token_ids", lambda r, t: calls.append(r.id) or real(r, t))
+    real = prepare_module.prompt_token_ids
+    monkeypatch.setattr(prepare_module, "prompt_token_ids", lambda r, t: calls.append(r.id) or real(r, t))
     result = run_cli(inputs, "-c", config, "--no-report")
     assert result.exit_code == 1
     [error] = read_jsonl(tmp_path / "in.completions.errors.jsonl")

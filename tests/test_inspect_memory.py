@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 from pagedgen.cli.app import app
 from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.memory.block_map import BlockState, build_pool_map, token_address
-from pagedgen.memory.inspect import inspect_report
+from pagedgen.memory.inspect_report import inspect_report
 from pagedgen.memory.render_map import map_layout, pool_map_text
 from pagedgen.memory.report import build_report
-from pagedgen.memory.simulate import SimRequest, Simulation
-from pagedgen.memory.sizing import KVShape, pool_sizing, read_model_shape, sequence_fit
+from kv_simulation import SimRequest, Simulation
+from pagedgen.cli.inspect_memory import KVShape, pool_sizing, read_model_shape, sequence_fit
 from pagedgen.memory.tracker import MemoryTracker
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -131,15 +131,15 @@ def test_sliding_window_caps_the_length_for_gguf_and_config_json(tmp_path, smoll
 def test_without_a_size_inspect_memory_and_llm_pick_the_same_pool():
     from pagedgen import LLM
     from pagedgen.cli.config import RunConfig
-    from pagedgen.defaults import DEFAULT_KV_MEMORY
-    from pagedgen.memory.inspect import sizing_for_config
+    from pagedgen.cli.inspect_memory import sizing_for_config
+    from pagedgen.model.runtime.kv_cache import DEFAULT_KV_MEMORY_BYTES
     from tiny_models import tiny_model_dir
 
     folder = str(tiny_model_dir("llama"))
     sized = sizing_for_config(RunConfig(model=folder, dtype="float32", device="cpu", kv_memory=None))
     llm = LLM(folder, dtype="float32", device="cpu")
     # 512 B per token (see above) x 16 tokens a block: 1 GiB, not a share of free memory.
-    assert llm.runner.num_blocks == sized["num_blocks"] == DEFAULT_KV_MEMORY // (512 * 16)
+    assert llm.runner.num_blocks == sized["num_blocks"] == DEFAULT_KV_MEMORY_BYTES // (512 * 16)
     assert llm.max_model_len == sized["max_model_len"] == 512
 
 

@@ -1,4 +1,4 @@
-"""CPU kernels (torch_ops) against the reference, and the reference against dense attention."""
+"""CPU kernels (cpu_backend) against the reference, and the reference against dense attention."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedgen.kernels import get_ops, reference, torch_ops
-from pagedgen.kernels.paged_batch import make_paged_batch
+from pagedgen.kernels import get_ops, reference, cpu_backend
+from paged_batch import make_paged_batch
 
 SCALE = 0.3
 
@@ -77,7 +77,7 @@ def _write_paged(keys, values, block_size):
     return k_cache, v_cache, tables
 
 
-# --- torch_ops vs reference ---------------------------------------------------------------
+# --- cpu_backend vs reference ---------------------------------------------------------------
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("group", [1, 3, 4])
@@ -85,7 +85,7 @@ def test_torch_attention_matches_reference(block_size, group):
     seq_lens, q_lens = mixed_batch_lens(block_size)
     batch = make_paged_batch(seq_lens, q_lens, num_q_heads=2 * group, num_kv_heads=2,
                              head_dim=32, block_size=block_size, seed=block_size + group)
-    out = torch_ops.paged_attention(*batch.attention_args(), SCALE)
+    out = cpu_backend.paged_attention(*batch.attention_args(), SCALE)
     expected = reference.paged_attention(*batch.attention_args(), SCALE)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
@@ -94,12 +94,12 @@ def test_plan_is_reusable_across_layers():
     seq_lens, q_lens = mixed_batch_lens(16)
     first = make_paged_batch(seq_lens, q_lens, num_q_heads=6, num_kv_heads=2, head_dim=16,
                              block_size=16)
-    plan = torch_ops.plan_attention(first.block_tables, first.seq_lens, first.query_start_loc, 16)
+    plan = cpu_backend.plan_attention(first.block_tables, first.seq_lens, first.query_start_loc, 16)
     for layer in range(3):  # same metadata, fresh Q/K/V per layer, as in the runner
         batch = replace(first, query=torch.randn_like(first.query),
                         k_cache=torch.randn_like(first.k_cache),
                         v_cache=torch.randn_like(first.v_cache))
-        out = torch_ops.paged_attention(*batch.attention_args(), SCALE, plan=plan)
+        out = cpu_backend.paged_attention(*batch.attention_args(), SCALE, plan=plan)
         expected = reference.paged_attention(*batch.attention_args(), SCALE)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
@@ -109,7 +109,7 @@ def test_torch_attention_bfloat16_close_to_float32_reference(group):
     seq_lens, q_lens = mixed_batch_lens(16)
     batch = make_paged_batch(seq_lens, q_lens, num_q_heads=3 * group, num_kv_heads=3,
                              head_dim=64, block_size=16, dtype=torch.bfloat16, seed=7)
-    out = torch_ops.paged_attention(*batch.attention_args(), 64 ** -0.5)
+    out = cpu_backend.paged_attention(*batch.attention_args(), 64 ** -0.5)
     assert out.dtype == torch.bfloat16
     # The oracle sees the same bf16 inputs, computed in float32.
     expected = reference.paged_attention(batch.query.float(), batch.k_cache.float(),
@@ -126,14 +126,14 @@ def test_torch_attention_random_batches(data, block_size, group):
     q_lens = [data.draw(st.integers(1, n)) for n in seq_lens]
     batch = make_paged_batch(seq_lens, q_lens, num_q_heads=2 * group, num_kv_heads=2,
                              head_dim=8, block_size=block_size, seed=sum(seq_lens))
-    out = torch_ops.paged_attention(*batch.attention_args(), SCALE)
+    out = cpu_backend.paged_attention(*batch.attention_args(), SCALE)
     expected = reference.paged_attention(*batch.attention_args(), SCALE)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 # --- store_kv and copy_blocks -------------------------------------------------------------
 
-@pytest.mark.parametrize("ops", [reference, torch_ops], ids=["reference", "torch_ops"])
+@pytest.mark.parametrize("ops", [reference, cpu_backend], ids=["reference", "cpu_backend"])
 def test_store_kv_writes_slots_and_skips_minus_one(ops):
     block_size, num_blocks = 8, 5
     k_cache = torch.zeros(num_blocks, block_size, 2, 4)
@@ -160,7 +160,7 @@ def test_store_kv_from_strided_qkv_views_matches_reference(dtype):
     expected_v = torch.zeros_like(expected_k)
     reference.store_kv(key, value, expected_k, expected_v, slots)
     got_k, got_v = torch.zeros_like(expected_k), torch.zeros_like(expected_v)
-    torch_ops.store_kv(key, value, got_k, got_v, slots)
+    cpu_backend.store_kv(key, value, got_k, got_v, slots)
     assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)
 
 
@@ -168,11 +168,11 @@ def test_store_kv_slot_past_the_cache_raises_and_writes_nothing():
     k_cache, v_cache = torch.zeros(2, 8, 1, 4), torch.zeros(2, 8, 1, 4)
     key = torch.ones(2, 1, 4)
     with pytest.raises((ValueError, IndexError, RuntimeError)):
-        torch_ops.store_kv(key, key, k_cache, v_cache, torch.tensor([3, 16]))
+        cpu_backend.store_kv(key, key, k_cache, v_cache, torch.tensor([3, 16]))
     assert not k_cache.any() and not v_cache.any()
 
 
-@pytest.mark.parametrize("ops", [reference, torch_ops], ids=["reference", "torch_ops"])
+@pytest.mark.parametrize("ops", [reference, cpu_backend], ids=["reference", "cpu_backend"])
 def test_copy_blocks_copies_every_layer_k_and_v(ops):
     kv_cache = torch.randn(3, 2, 6, 4, 2, 8)
     before = kv_cache.clone()
@@ -188,8 +188,8 @@ def test_store_then_attend_sees_new_tokens():
     batch = make_paged_batch([9], [1], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=8)
     new_k, new_v = torch.randn(1, 1, 16), torch.randn(1, 1, 16)
     slot = batch.block_tables[0, 1].long() * 8 + 0  # token 8 -> block table[1], offset 0
-    torch_ops.store_kv(new_k, new_v, batch.k_cache, batch.v_cache, slot.view(1))
-    out = torch_ops.paged_attention(*batch.attention_args(), SCALE)
+    cpu_backend.store_kv(new_k, new_v, batch.k_cache, batch.v_cache, slot.view(1))
+    out = cpu_backend.paged_attention(*batch.attention_args(), SCALE)
     expected = reference.paged_attention(*batch.attention_args(), SCALE)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(batch.k_cache[batch.block_tables[0, 1], 0], new_k[0])
@@ -202,20 +202,20 @@ def test_bad_inputs_name_the_argument():
                              block_size=8)
     q, k, v, tables, lens, starts = batch.attention_args()
     with pytest.raises(ValueError, match="query heads"):
-        torch_ops.paged_attention(q[:, :3], k, v, tables, lens, starts, SCALE)
+        cpu_backend.paged_attention(q[:, :3], k, v, tables, lens, starts, SCALE)
     with pytest.raises(ValueError, match="seq_lens"):
-        torch_ops.paged_attention(q, k, v, tables, lens[:1], starts, SCALE)
+        cpu_backend.paged_attention(q, k, v, tables, lens[:1], starts, SCALE)
     with pytest.raises(ValueError, match="seq_lens must be >="):
-        torch_ops.paged_attention(q, k, v, tables, torch.tensor([2, 3]).int(), starts, SCALE)
+        cpu_backend.paged_attention(q, k, v, tables, torch.tensor([2, 3]).int(), starts, SCALE)
     with pytest.raises(ValueError, match="block_tables capacity"):
-        torch_ops.paged_attention(q, k, v, tables, torch.tensor([5, 99]).int(), starts, SCALE)
+        cpu_backend.paged_attention(q, k, v, tables, torch.tensor([5, 99]).int(), starts, SCALE)
     with pytest.raises(ValueError, match="slot_mapping"):
-        torch_ops.store_kv(k[0], v[0], k, v, torch.tensor([0, 1]))
+        cpu_backend.store_kv(k[0], v[0], k, v, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="src and dst"):
-        torch_ops.copy_blocks(torch.zeros(1, 2, 3, 8, 2, 8), torch.tensor([0]),
+        cpu_backend.copy_blocks(torch.zeros(1, 2, 3, 8, 2, 8), torch.tensor([0]),
                               torch.tensor([1, 2]))
 
 
-def test_get_ops_cpu_is_torch_ops():
-    assert get_ops("cpu") is torch_ops
-    assert get_ops(torch.device("cpu")) is torch_ops
+def test_get_ops_cpu_is_cpu_backend():
+    assert get_ops("cpu") is cpu_backend
+    assert get_ops(torch.device("cpu")) is cpu_backend

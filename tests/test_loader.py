@@ -15,9 +15,10 @@ from gguf.quants import quantize
 
 from pagedgen.model.loading import default_model
 from pagedgen.model.runtime.batch import ScheduledChunk
-from pagedgen.model.config import ModelConfig, UnsupportedModelError
+from pagedgen.model.config import UnsupportedModelError
 from pagedgen.model.dtypes import resolve_dtype
 from pagedgen.model.loading.gguf_file import read_gguf
+from pagedgen.model.loading.hf_config import model_config_from_hf
 from pagedgen.model.loading.gguf_loader import (dequantize_tensor, gguf_model_config, iter_gguf_tensors,
                                         unpermute_qk)
 from pagedgen.model.loading.loader import build_decoder, load_model
@@ -35,32 +36,32 @@ BASE = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64, 
 def test_transformers5_rope_parameters_with_llama3_scaling():
     rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    cfg = ModelConfig.from_hf_dict({**BASE, "rope_parameters": rope})
+    cfg = model_config_from_hf({**BASE, "rope_parameters": rope})
     assert cfg.rope_theta == 5e5 and cfg.head_dim == 16 and cfg.num_kv_heads == 2
     assert cfg.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def test_transformers4_rope_spelling_and_defaults():
-    cfg = ModelConfig.from_hf_dict({**BASE, "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0},
+    cfg = model_config_from_hf({**BASE, "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0},
                                     "num_key_value_heads": None})
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert cfg.num_kv_heads == 4  # missing -> multi-head attention
-    assert ModelConfig.from_hf_dict(BASE).rope_scaling is None
+    assert model_config_from_hf(BASE).rope_scaling is None
 
 
 def test_architecture_specific_flags():
-    qwen2 = ModelConfig.from_hf_dict({**BASE, "architectures": ["Qwen2ForCausalLM"]})
+    qwen2 = model_config_from_hf({**BASE, "architectures": ["Qwen2ForCausalLM"]})
     assert qwen2.attention_bias and not qwen2.attention_output_bias and not qwen2.qk_norm
-    qwen3 = ModelConfig.from_hf_dict({**BASE, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32})
+    qwen3 = model_config_from_hf({**BASE, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32})
     assert qwen3.qk_norm and qwen3.head_dim == 32 and not qwen3.attention_bias
-    llama_bias = ModelConfig.from_hf_dict({**BASE, "attention_bias": True})
+    llama_bias = model_config_from_hf({**BASE, "attention_bias": True})
     assert llama_bias.attention_bias and llama_bias.attention_output_bias
-    mistral = ModelConfig.from_hf_dict({**BASE, "architectures": ["MistralForCausalLM"],
+    mistral = model_config_from_hf({**BASE, "architectures": ["MistralForCausalLM"],
                                         "model_type": "mistral", "sliding_window": 128})
     assert mistral.max_position_embeddings == 128  # full attention is exact inside the window
     no_arch = {k: v for k, v in BASE.items() if k != "architectures"}
-    assert ModelConfig.from_hf_dict({**no_arch, "model_type": "qwen2"}).architecture == "Qwen2ForCausalLM"
+    assert model_config_from_hf({**no_arch, "model_type": "qwen2"}).architecture == "Qwen2ForCausalLM"
 
 
 @pytest.mark.parametrize("change,message", [
@@ -72,11 +73,11 @@ def test_architecture_specific_flags():
 ])
 def test_unsupported_configs_get_clear_errors(change, message):
     with pytest.raises(UnsupportedModelError, match=message):
-        ModelConfig.from_hf_dict({**BASE, **change})
+        model_config_from_hf({**BASE, **change})
 
 
 def test_kv_bytes_per_token_from_config():
-    cfg = ModelConfig.from_hf_dict(BASE)
+    cfg = model_config_from_hf(BASE)
     assert cfg.kv_bytes_per_token(torch.bfloat16) == 2 * 2 * 2 * 16 * 2
 
 

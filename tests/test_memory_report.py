@@ -105,7 +105,7 @@ def test_png_timeline(report, tmp_path):
 def simulated_report(num_blocks: int, num_requests: int, seed: int = 1) -> dict:
     """A model-free run with SmolLM2-135M's KV geometry (bf16: 2,912 blocks of 16 in 1 GiB)."""
     from pagedgen.engine.kv_manager import KVCacheManager
-    from pagedgen.memory.simulate import SimRequest, Simulation
+    from kv_simulation import SimRequest, Simulation
 
     rng = random.Random(seed)
     requests = [SimRequest(f"r{i}", [rng.randrange(5, 9000) for _ in range(rng.randint(20, 60))],
@@ -181,7 +181,7 @@ def test_report_through_llm_on_a_tiny_model(tmp_path):
 
 
 def test_paging_keeps_utilization_high_where_static_reservation_wastes_it():
-    """Issue 5's figure through the real engine: 64 mixed-length requests, B = 16,
+    """The report's headline figure through the real engine: 64 mixed-length requests, B = 16,
     max_model_len 2,048. Paging fills >= 95% of the slots it allocated at the peak, while a
     static allocator reserving max_model_len per running sequence would use < 40% of its own."""
     from tiny_models import tiny_model_dir

@@ -19,7 +19,7 @@ from pagedgen.memory.arena import FirstFitArena
 from pagedgen.memory.counterfactual import doubling_capacities, doubling_capacity, step_reservation
 from pagedgen.memory.report import build_report
 from pagedgen.memory.sampled_series import SampledSeries
-from pagedgen.memory.simulate import SimRequest, Simulation
+from kv_simulation import SimRequest, Simulation
 from pagedgen.memory.tracker import MemoryTracker, SeqMemInfo
 
 B = 16

@@ -4,7 +4,7 @@ kernel (kernels/cpu_decode_attention_bf16.c) that the same entry point tries fir
 import pytest
 import torch
 
-from pagedgen.kernels import native, reference, torch_ops
+from pagedgen.kernels import native, reference, cpu_backend
 
 
 def _decode_case(num_seqs, q_heads, kv_heads, head_dim, block_size, dtype, seed=0,
@@ -72,7 +72,7 @@ def test_torch_path_used_when_native_is_switched_off(monkeypatch):
         assert native.load() is None
         query, k_cache, v_cache, tables, lens = _decode_case(5, 6, 2, 32, 16, torch.float32)
         starts = torch.arange(len(lens) + 1, dtype=torch.int32)
-        got = torch_ops.paged_attention(query, k_cache, v_cache, tables.int(), lens.int(),
+        got = cpu_backend.paged_attention(query, k_cache, v_cache, tables.int(), lens.int(),
                                         starts, 0.2)
         expected = reference.paged_attention(query, k_cache, v_cache, tables.int(), lens.int(),
                                              starts, 0.2)
@@ -104,7 +104,7 @@ def test_failed_compile_warns_in_one_line_and_falls_back(monkeypatch, tmp_path):
         assert "second problem" not in message and "set PAGEDGEN_NATIVE_KERNELS=0 to silence" in message
         query, k_cache, v_cache, tables, lens = _decode_case(3, 4, 2, 32, 8, torch.float32)
         starts = torch.arange(len(lens) + 1, dtype=torch.int32)
-        got = torch_ops.paged_attention(query, k_cache, v_cache, tables.int(), lens.int(), starts, 0.2)
+        got = cpu_backend.paged_attention(query, k_cache, v_cache, tables.int(), lens.int(), starts, 0.2)
         expected = reference.paged_attention(query, k_cache, v_cache, tables.int(), lens.int(),
                                              starts, 0.2)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

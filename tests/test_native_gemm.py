@@ -1,4 +1,4 @@
-"""The AMX GEMM (kernels/cpu_gemm_amx.c) and the packed-weight dispatch of model/linear.py."""
+"""The AMX GEMM (kernels/cpu_gemm_amx.c) and the packed-weight dispatch of model/layers/linear.py."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -10,7 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from pagedgen.cli.app import app
-from pagedgen.cli.profile import PhaseTimer, TimedOps, parse_range, synthetic_workload
+from pagedgen.cli.profile import PhaseTimer, instrument, parse_range, synthetic_workload
+from pagedgen.model.runtime.timed_kernels import TimedKernels
 
 
 @pytest.fixture(scope="module")
@@ -46,20 +47,41 @@ def test_one_row_per_block_size_with_consistent_fields(profiled):
     assert "B = 8" in result.stdout and "B = 16" in result.stdout and "forward: attention" in result.stdout
 
 
-def test_timed_ops_time_attention_and_pass_the_rest_through():
+def test_timed_kernels_time_attention_and_pass_the_rest_through():
     calls = []
     ops = types.SimpleNamespace(paged_attention=lambda x: calls.append(x) or x * 2, copy_blocks="untouched")
     timer = PhaseTimer(torch.device("cpu"))
-    timed = TimedOps(ops, timer)
+    timed = TimedKernels(ops, timer)
     assert timed.paged_attention(21) == 42 and calls == [21]
     assert timed.copy_blocks == "untouched"
     assert timer.totals["attention"] > 0 and timer.totals["forward"] == 0
-    step = timer.wrap("step", lambda: None)
-    step()
-    step()
+    for _ in range(2):
+        with timer.phase("step"):
+            pass
     assert timer.steps == 2
     with pytest.raises(ValueError, match="unknown phase"):
-        timer.wrap("lunch", lambda: None)
+        with timer.phase("lunch"):
+            pass
+
+
+def test_the_engine_hook_times_its_phases_and_resets_its_tracker():
+    from pagedgen import LLM, SamplingParams
+    from tiny_models import tiny_model_dir
+
+    llm = LLM(str(tiny_model_dir()), dtype="float32", num_blocks=32, max_num_seqs=4, threads=1)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert llm.tracker.steps_recorded > 0
+    llm.engine.reset_tracker()
+    assert llm.tracker.steps_recorded == 0 and llm.tracker.peak is None
+    timer = instrument(llm)
+    llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+    assert timer.steps == llm.tracker.steps_recorded > 0
+    assert all(timer.totals[name] > 0 for name in ("scheduling", "forward", "attention", "sampling"))
+    llm.engine.set_phase_hook(None)
+    assert llm.runner.ops is llm.runner.kernels
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert timer.steps == llm.tracker.steps_recorded - 3   # three more steps, none timed
 
 
 def test_ranges_and_synthetic_workload():

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from pagedgen.cli.app import app
 from pagedgen.engine.kv_manager import KVCacheManager
-from pagedgen.memory.inspect import load_report
+from pagedgen.memory.inspect_report import load_report
 from pagedgen.memory.report import build_report
 from pagedgen.memory.report_schema import MAX_BLOCKS, validate_report
-from pagedgen.memory.simulate import SimRequest, Simulation
+from kv_simulation import SimRequest, Simulation
 from pagedgen.memory.tracker import MemoryTracker
 
 NUM_BLOCKS = 64

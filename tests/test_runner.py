@@ -99,9 +99,29 @@ def test_runner_sizes_pool_from_bytes_or_free_memory_fraction(monkeypatch):
     loaded = tiny_loaded_model()
     per_block = 8 * loaded.config.kv_bytes_per_token(torch.float32)  # 8 * 2*2*2*16*4 = 4096
     assert ModelRunner(loaded, 8, kv_memory_bytes=per_block * 7 + 1).num_blocks == 7
+    # Without a size, CPU gets a fixed budget (CUDA would take a share of free memory).
+    assert ModelRunner(loaded, 8).num_blocks == kv.DEFAULT_KV_MEMORY_BYTES // per_block
     monkeypatch.setattr(kv, "available_memory_bytes", lambda device: per_block * 100)
     assert ModelRunner(loaded, 8, kv_memory_fraction=0.25).num_blocks == 25
-    assert ModelRunner(loaded, 8).num_blocks == int(100 * kv.DEFAULT_KV_MEMORY_FRACTION["cpu"])
+
+
+def test_a_pool_larger_than_available_memory_is_refused_with_what_fits(monkeypatch):
+    loaded = tiny_loaded_model()
+    per_block = 8 * loaded.config.kv_bytes_per_token(torch.float32)
+    monkeypatch.setattr(kv, "available_memory_bytes", lambda device: per_block * 100 + 5)
+    assert ModelRunner(loaded, 8, num_blocks=100).num_blocks == 100
+    for size in (dict(num_blocks=101), dict(kv_memory_bytes=per_block * 150)):
+        with pytest.raises(ValueError, match=rf"largest pool that fits is 100 blocks \({per_block * 100} bytes\)"):
+            ModelRunner(loaded, 8, **size)
+
+
+def test_llm_refuses_an_impossible_pool_before_allocating_it():
+    from pagedgen import LLM
+    from tiny_models import tiny_model_dir
+
+    # 10**9 blocks of 16 tokens x 512 bytes: about 8 TB, more than any machine here has.
+    with pytest.raises(ValueError, match="is larger than the .* bytes available on cpu; the largest pool"):
+        LLM(str(tiny_model_dir()), dtype="float32", device="cpu", num_blocks=10**9)
 
 
 def test_cpu_free_memory_is_read_from_meminfo():
@@ -147,16 +167,16 @@ def test_empty_batch_returns_no_logits():
 
 def test_triton_kernels_give_the_same_logits_as_torch_kernels():
     """The CUDA path's kernels, run by the Triton interpreter on CPU, through the same model."""
-    from pagedgen.kernels import torch_ops, triton_ops
+    from pagedgen.kernels import cpu_backend, triton_ops
 
     loaded = tiny_loaded_model("qwen2")
     steps = [[ScheduledChunk(list(range(3, 22)), 0, [2, 0, 3], True), ScheduledChunk([5], 0, [1], True)],
              [ScheduledChunk([30], 19, [2, 0, 3], True), ScheduledChunk([6, 7, 8], 1, [1], True)]]
     logits = {}
-    for ops in (torch_ops, triton_ops):
+    for ops in (cpu_backend, triton_ops):
         runner = ModelRunner(loaded, 8, num_blocks=4, kernels=ops)
         logits[ops] = [runner.execute(chunks, []) for chunks in steps]
-    for expected, got in zip(logits[torch_ops], logits[triton_ops]):
+    for expected, got in zip(logits[cpu_backend], logits[triton_ops]):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 

@@ -289,8 +289,8 @@ def inspect_memory(
     """KV sizing arithmetic for a model, or (--report) the pool map and a token's address."""
     import json
 
-    from pagedgen.memory.inspect import (inspect_report, load_report, sizing_for_config,
-                                         sizing_renderable)
+    from pagedgen.cli.inspect_memory import sizing_for_config, sizing_renderable
+    from pagedgen.memory.inspect_report import inspect_report, load_report
 
     console, out = _stderr(), Console()
     try:

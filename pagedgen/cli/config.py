@@ -19,13 +19,14 @@ from typing import Any, Callable
 import yaml
 
 from pagedgen.validation import brief, int_at_least, is_int, shorten
-from pagedgen.defaults import DEFAULT_KV_MEMORY
+from pagedgen.engine.engine_config import EngineConfig
 from pagedgen.cli.input_records import validate_sampling_fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
-# Running without --config means these values (and DEFAULT_KV_MEMORY), which
-# configs/default.yaml spells out (a test keeps the two equal).
+# Running without --config means these values, which configs/default.yaml spells out (a test
+# keeps the two equal). The engine's limits are EngineConfig's defaults, the ones LLM() uses.
+_ENGINE = EngineConfig()
 DEFAULT_SAMPLING = {"n": 1, "max_tokens": 256, "temperature": 0.7, "top_p": 0.95, "top_k": 0,
                     "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                     "repetition_penalty": 1.0}
@@ -48,14 +49,14 @@ class RunConfig:
     model: str | None = None         # HF folder, .gguf file, or None for the built-in default
     dtype: str = "auto"
     device: str = "auto"             # "auto" = CUDA when available, else CPU
-    block_size: int = 16
-    kv_memory: int | None = DEFAULT_KV_MEMORY  # bytes for the KV pool ("2GiB" in YAML)
-    num_blocks: int | None = None    # alternative to kv_memory: exact pool size
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    block_size: int = _ENGINE.block_size
+    kv_memory: int | None = None     # bytes for the KV pool ("2GiB" in YAML); both None: the
+    num_blocks: int | None = None    # runner's default (model/runtime/kv_cache.py: size_kv_pool)
+    max_num_seqs: int = _ENGINE.max_num_seqs
+    max_num_batched_tokens: int = _ENGINE.max_num_batched_tokens
     max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0
+    enable_prefix_caching: bool = _ENGINE.enable_prefix_caching
+    seed: int = _ENGINE.seed
     threads: int | None = None
     max_line_bytes: int | None = None  # None: derived from max_model_len (see input_limits)
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))

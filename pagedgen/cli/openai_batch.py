@@ -8,7 +8,7 @@ Out: {"id": "batch_req_...", "custom_id": "r1",
 A request that cannot run is answered with "response": null and "error": {"code", "message"}
 (written to the errors file, as OpenAI's own batches put failures in a separate error file).
 
-This module only translates; requests.py validates the translated values.
+This module only translates; input_records.py validates the translated values.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pagedgen.validation import brief
 
 if TYPE_CHECKING:
-    from pagedgen.cli.output_files import SampleResult, TokenLogprob
+    from pagedgen.cli.results import SampleResult, TokenLogprob
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

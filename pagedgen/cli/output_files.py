@@ -17,35 +17,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 from pagedgen.cli import openai_batch
 from pagedgen.cli.input_records import Request, RequestError
+from pagedgen.cli.results import SampleResult, TokenLogprob
 
 
 class OutputFileError(ValueError):
     """An existing output file cannot be resumed from (names the file and line)."""
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    token_id: int
-    token: str
-    logprob: float
-    top: list[TokenLogprob] = field(default_factory=list)   # the most likely alternatives
-
-
-@dataclass(slots=True)
-class SampleResult:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: str | int | None = None
-    logprobs: list[TokenLogprob] | None = None
-    beam_scores: dict[str, float] | None = None   # beam search: score and cumulative_logprob
 
 
 @dataclass(slots=True)

@@ -1,13 +1,12 @@
 """`pagedgen profile`: one workload, once per block size, same KV bytes, timed per engine phase.
 
-Timing hooks are attached from outside the engine, by wrapping the engine's collaborators on
-the instance (the engine is not changed and pays nothing when not profiled):
+The engine offers the timing hook (LLMEngine.set_phase_hook); PhaseTimer is what it calls:
 
-- scheduling  = Scheduler.schedule
-- forward     = ModelRunner.execute, split into attention (the kernel module's store_kv,
-                paged_attention and plan_attention, wrapped through runner.ops) and the rest
-- sampling    = the Sampler call
-- bookkeeping = the rest of LLMEngine.step (batch assembly for the sampler, appending tokens,
+- scheduling  = the scheduler's pick of the step's batch
+- forward     = the runner's forward, split into attention (the kernel backend's store_kv,
+                paged_attention and plan_attention) and the rest
+- sampling    = the sampler
+- bookkeeping = the rest of the step (batch assembly for the sampler, appending tokens,
                 stop checks, freeing, the memory tracker)
 
 On CUDA every timer synchronizes the device before reading the clock, so GPU work is counted
@@ -20,14 +19,14 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 PHASES = ("scheduling", "forward", "attention", "sampling", "step")
-ATTENTION_OPS = ("store_kv", "paged_attention", "plan_attention")
 
 
 @dataclass(slots=True)
@@ -40,20 +39,18 @@ class PhaseTimer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        if phase not in self.totals:
-            raise ValueError(f"unknown phase {phase!r}; phases: {', '.join(PHASES)}")
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if name not in self.totals:
+            raise ValueError(f"unknown phase {name!r}; phases: {', '.join(PHASES)}")
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
             self._sync()
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._sync()
-                self.totals[phase] += time.perf_counter() - start
-                self.steps += phase == "step"
-        return timed
+            self.totals[name] += time.perf_counter() - start
+            self.steps += name == "step"
 
     def reset(self) -> None:
         self.totals = dict.fromkeys(PHASES, 0.0)
@@ -69,26 +66,10 @@ class PhaseTimer:
         return {k: 1e3 * v / n for k, v in parts.items()}
 
 
-class TimedOps:
-    """The kernel module with its attention entry points timed; everything else passes through."""
-
-    def __init__(self, ops: Any, timer: PhaseTimer) -> None:
-        self._ops, self._timer = ops, timer
-
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._ops, name)
-        return self._timer.wrap("attention", value) if name in ATTENTION_OPS else value
-
-
 def instrument(llm: Any) -> PhaseTimer:
-    """Attach the phase timers to an LLM's engine (see the module docstring)."""
-    engine = llm.engine
-    timer = PhaseTimer(torch.device(engine.device))
-    engine.scheduler.schedule = timer.wrap("scheduling", engine.scheduler.schedule)
-    engine.runner.execute = timer.wrap("forward", engine.runner.execute)
-    engine.runner.ops = TimedOps(engine.runner.ops, timer)
-    engine.sampler = timer.wrap("sampling", engine.sampler)
-    engine.step = timer.wrap("step", engine.step)
+    """Turn the engine's phase timing on, into a fresh PhaseTimer."""
+    timer = PhaseTimer(torch.device(llm.engine.device))
+    llm.engine.set_phase_hook(timer)
     return timer
 
 
@@ -133,7 +114,7 @@ def synthetic_workload(num_requests: int, prompt_len: tuple[int, int], max_token
 def file_workload(path: str, llm: Any, sampling_defaults: dict[str, Any]) -> tuple[list[WorkItem], int]:
     """Requests of a JSONL file, tokenized for this model; (items, lines skipped as invalid)."""
     from pagedgen.cli.input_records import Request, read_requests
-    from pagedgen.cli.run_job import prepare
+    from pagedgen.cli.prepare import prepare
 
     items, skipped = [], 0
     for entry in read_requests(path, sampling_defaults):
@@ -188,12 +169,6 @@ def _generate(llm: Any, items: Sequence[WorkItem], on_done: Callable[[], None]) 
                         on_output=lambda _out: on_done(), request_ids=[it.request_id for it in items])
 
 
-def _fresh_tracker(llm: Any) -> None:
-    # The measured run gets its own memory history: the warm-up must not show in the report.
-    llm.tracker = dataclasses.replace(llm.tracker)
-    llm.engine.tracker = llm.tracker
-
-
 def _counter_delta(after: Any, before: Any) -> Any:
     return type(after)(**{f.name: getattr(after, f.name) - getattr(before, f.name)
                           for f in dataclasses.fields(after)})
@@ -206,7 +181,7 @@ def profile_llm(llm: Any, items: Sequence[WorkItem], on_done: Callable[[], None]
     vocab = llm.loaded.config.vocab_size
     _generate(llm, warmup_workload(items, vocab), lambda: None)
     timer = instrument(llm)
-    _fresh_tracker(llm)
+    llm.engine.reset_tracker()  # the measured run gets its own memory history, without the warm-up
     stats_before = dict(llm.stats)
     counters_before = dataclasses.replace(llm.engine.kv.counters)
     start = time.perf_counter()

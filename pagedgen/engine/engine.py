@@ -7,15 +7,16 @@ batch itself is built by the runner from the scheduled chunks, and the sampler w
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from pagedgen.validation import is_int, require_int
+from pagedgen.engine.engine_config import EngineConfig
 from pagedgen.engine.detokenizer import final_text
 from pagedgen.engine.kv_manager import KVCacheManager
-from pagedgen.engine.scheduler import Scheduler, SchedulerOutput, check_step_budget, rejection_reason
+from pagedgen.engine.scheduler import Scheduler, SchedulerOutput, rejection_reason
 from pagedgen.engine.sequence import Sequence, SequenceGroup, SeqStatus, make_generator
 from pagedgen.engine.stop_checker import StopDecision, check_stop
 from pagedgen.engine.seq_info import SeqMemInfo
@@ -35,25 +36,6 @@ class Runner(Protocol):
     device: torch.device
 
     def execute(self, batch: list, copies: list[tuple[int, int]]) -> torch.Tensor: ...
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = True
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            require_int(name, getattr(self, name))
-        if not is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError("enable_prefix_caching must be True or False, "
-                             f"got {self.enable_prefix_caching!r}")
-        check_step_budget(self.max_num_seqs, self.max_num_batched_tokens)
 
 
 @dataclass(slots=True)
@@ -80,6 +62,7 @@ class LLMEngine:
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
         self.stats = EngineStats()
+        self._phase_hook: Any = None
         self._next_seq_id = 0
         self._rejected: list[RequestOutput] = []
         self.kept: dict[int, Sequence] = {}   # finished sequences holding their blocks (tree nodes)
@@ -231,11 +214,27 @@ class LLMEngine:
         return list(aborted)
 
     # --- one step ---
+    def set_phase_hook(self, hook: Any) -> None:
+        """Timing for `pagedgen profile`: each step runs inside hook.phase("step"), and its parts
+        inside hook.phase(name) for "scheduling", "forward" (the runner, which times "attention"
+        within it), "sampling"; the rest of the step is bookkeeping. None turns it off."""
+        self._phase_hook = hook
+        if hasattr(self.runner, "set_phase_hook"):
+            self.runner.set_phase_hook(hook)
+
+    def _phase(self, name: str) -> AbstractContextManager:
+        return nullcontext() if self._phase_hook is None else self._phase_hook.phase(name)
+
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns the requests that finished (or failed) in it."""
+        with self._phase("step"):
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         finished, self._rejected = self._rejected, []
         self.stats.requests_failed += len(finished)
-        scheduled = self.scheduler.schedule()
+        with self._phase("scheduling"):
+            scheduled = self.scheduler.schedule()
         roots = self._roots_ready() if self._roots else []
         if not scheduled.chunks and not roots and self.scheduler.has_unfinished():
             held = f"; {len(self.kept)} kept tree nodes hold blocks: release some" \
@@ -245,7 +244,7 @@ class LLMEngine:
         done = roots + (self._run(scheduled) if scheduled.chunks else [])
         self._finish(done)
         self.stats.steps += 1
-        self._record()  # after finishing (issue 4's order): the timeline ends at 0 blocks
+        self._record()  # after finishing, so that the timeline of a finished run ends at 0 blocks
         return finished + self._finished_requests(done)
 
     def _finish(self, done: list[Sequence]) -> None:
@@ -261,9 +260,10 @@ class LLMEngine:
 
     def _run(self, scheduled: SchedulerOutput) -> list[Sequence]:
         """Forward, fork, sample, append; returns the sequences that finished."""
-        logits = self.runner.execute(scheduled.chunks, scheduled.copies)
-        if any(c.prompt_logprobs for c in scheduled.chunks):
-            record_prompt_logprobs(self.runner, scheduled.seqs, scheduled.chunks)
+        with self._phase("forward"):
+            logits = self.runner.execute(scheduled.chunks, scheduled.copies)
+            if any(c.prompt_logprobs for c in scheduled.chunks):
+                record_prompt_logprobs(self.runner, scheduled.seqs, scheduled.chunks)
         sampled = [s for s, c in zip(scheduled.seqs, scheduled.chunks) if c.sample]
         if not sampled:
             return []
@@ -286,7 +286,9 @@ class LLMEngine:
         if self.grammar is not None:
             self._mask_by_grammar(rows, logits)
         batch = build_batch(rows, logits.shape[-1], logits.device)
-        return self._append_tokens(rows, self.sampler(logits, batch), batch.logprob_rows)
+        with self._phase("sampling"):
+            sampled_tokens = self.sampler(logits, batch)
+        return self._append_tokens(rows, sampled_tokens, batch.logprob_rows)
 
     def _mask_by_grammar(self, rows: list[Sequence], logits: torch.Tensor) -> None:
         """Forbidden tokens of constrained rows -> -inf (all rows at once); the others untouched."""
@@ -381,6 +383,16 @@ class LLMEngine:
         return outputs
 
     # --- memory tracking ---
+    def attach_tracker(self, tracker: Any) -> None:
+        """From now on every step is reported to `tracker.record(...)` (memory/tracker.py's
+        shape); None stops the reporting."""
+        self.tracker = tracker
+
+    def reset_tracker(self) -> None:
+        """Start the attached tracker's history afresh (a profile's warm-up must not show)."""
+        if self.tracker is not None:
+            self.tracker.reset()
+
     def _record(self) -> None:
         if self.tracker is None:
             return

@@ -28,8 +28,7 @@ mutates). Copy-on-write pairs must be applied in list order before the step's K/
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, abc
 from dataclasses import dataclass, field
 
 from pagedgen.validation import require_int
@@ -39,6 +38,11 @@ from .block_pool import BlockPool
 from .kv_types import (
     DuplicateSequenceError, KVCounters, NoFreeBlocksError, PoolSnapshot, UnknownSequenceError,
 )
+
+# Read-only int sequences (lists, tuples). Spelled abc.Sequence, never bare: in the engine
+# `Sequence` is the generated sequence (sequence.py).
+TokenIds = abc.Sequence[int]
+SeqIds = abc.Sequence[int]
 
 
 @dataclass(slots=True)
@@ -77,10 +81,10 @@ class KVCacheManager:
         self._tokens_stored = 0
 
     # --- side-effect-free questions ---
-    def num_cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+    def num_cached_prefix_tokens(self, token_ids: TokenIds) -> int:
         return len(self._prefix_hits(token_ids)) * self.block_size
 
-    def can_admit(self, token_ids: Sequence[int], num_new_tokens: int) -> bool:
+    def can_admit(self, token_ids: TokenIds, num_new_tokens: int) -> bool:
         """Would `admit(token_ids)` then `append_slots` of `num_new_tokens` tokens (right after
         the cached prefix) succeed now? A hit on a cached free block uses up a free block."""
         require_int("num_new_tokens", num_new_tokens, 0)
@@ -92,7 +96,7 @@ class KVCacheManager:
         new_blocks = self._blocks_spanned(covered) - len(hits)
         return revived + new_blocks <= self._pool.num_free
 
-    def can_append(self, seq_ids: Sequence[int], num_tokens: int | Sequence[int]) -> bool:
+    def can_append(self, seq_ids: SeqIds, num_tokens: int | abc.Sequence[int]) -> bool:
         """Can every listed sequence append its tokens, one after another, right now?"""
         return self._blocks_for_group(seq_ids, num_tokens) <= self._pool.num_free
 
@@ -103,7 +107,7 @@ class KVCacheManager:
             return 0
         return self._new_blocks(seq, num_tokens) + self._needs_copy(seq)
 
-    def blocks_freed_by(self, seq_ids: Sequence[int]) -> int:
+    def blocks_freed_by(self, seq_ids: SeqIds) -> int:
         """Blocks whose every reference comes from these sequences (freed if they all went)."""
         holds: Counter[int] = Counter()
         for seq_id in set(seq_ids):
@@ -111,7 +115,7 @@ class KVCacheManager:
         return sum(1 for block, count in holds.items() if count == self._pool.ref_count(block))
 
     # --- mutations ---
-    def admit(self, seq_id: int, token_ids: Sequence[int], use_prefix_cache: bool = True) -> int:
+    def admit(self, seq_id: int, token_ids: TokenIds, use_prefix_cache: bool = True) -> int:
         """Register a sequence and take its prefix-cache hits (unless use_prefix_cache is False:
         every token is then computed again); returns the tokens served."""
         self._require_new(seq_id, "seq_id")
@@ -135,7 +139,7 @@ class KVCacheManager:
             self.counters.prefix_hit_tokens += len(hits) * self.block_size
         return len(hits) * self.block_size
 
-    def append_slots(self, seq_id: int, token_ids: Sequence[int]) -> None:
+    def append_slots(self, seq_id: int, token_ids: TokenIds) -> None:
         """Reserve slots for the tokens computed this step (see contract); atomic on error."""
         # Called for every running sequence every step: the common decode case (no new block,
         # no copy, no full block) stays free of allocations and extra calls.
@@ -254,7 +258,7 @@ class KVCacheManager:
         """Is the last block partial and shared, so that writing into it needs a copy?"""
         return seq.num_tokens % self.block_size != 0 and self._pool.ref_count(seq.table[-1]) > 1
 
-    def _blocks_for_group(self, seq_ids: Sequence[int], num_tokens: int | Sequence[int]) -> int:
+    def _blocks_for_group(self, seq_ids: SeqIds, num_tokens: int | abc.Sequence[int]) -> int:
         counts = _per_sequence_counts(seq_ids, num_tokens)
         total, writers = 0, Counter()
         for seq_id, count in zip(seq_ids, counts):
@@ -299,7 +303,7 @@ class KVCacheManager:
         else:
             seq.partial.extend(token_ids)
 
-    def _prefix_hits(self, token_ids: Sequence[int]) -> list[int]:
+    def _prefix_hits(self, token_ids: TokenIds) -> list[int]:
         """Blocks serving the longest verified cached prefix, leaving the last token computed."""
         if not self.enable_prefix_caching or len(token_ids) < 2:
             return []
@@ -352,7 +356,7 @@ class KVCacheManager:
                 assert fill == self.block_size, f"partial block {block} carries a hash"
 
 
-def _per_sequence_counts(seq_ids: Sequence[int], num_tokens: int | Sequence[int]) -> list[int]:
+def _per_sequence_counts(seq_ids: SeqIds, num_tokens: int | abc.Sequence[int]) -> list[int]:
     if len(set(seq_ids)) != len(seq_ids):
         raise ValueError(f"seq_ids must not repeat a sequence, got {list(seq_ids)!r}")
     if isinstance(num_tokens, int):

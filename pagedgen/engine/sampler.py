@@ -287,8 +287,8 @@ def _sample_full_vocab(logits: torch.Tensor, rows: RandomRows, uniforms: torch.T
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the vocabulary, first index on ties (as argmax). max(dim).indices measured
-    2.6x faster than argmax on CPU for [34, 49152] float32 rows (2 threads)."""
+    """argmax over the vocabulary, first index on ties (as argmax). max(dim).indices, because
+    it is the faster of the two on CPU (bench/FIGURES.md)."""
     return logits.max(dim=-1).indices
 
 

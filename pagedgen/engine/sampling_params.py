@@ -1,7 +1,6 @@
 """Per-request sampling parameters (vLLM's offline `SamplingParams`, validated).
 
-The vectorized sampler that applies them lives in `pagedgen/engine/sampler.py`; it is re-exported here
-so that `from pagedgen.engine.sampling_params import Sampler` works as the contract says.
+The vectorized sampler that applies them lives in `pagedgen/engine/sampler.py`.
 """
 
 from __future__ import annotations
@@ -226,10 +225,3 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
 
-def __getattr__(name: str):
-    # Lazy, so that importing SamplingParams does not pull in torch.
-    if name == "Sampler":
-        from pagedgen.engine.sampler import Sampler
-
-        return Sampler
-    raise AttributeError(f"module 'pagedgen.engine.sampling_params' has no attribute {name!r}")

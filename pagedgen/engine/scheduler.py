@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedgen.engine.engine_config import check_step_budget
 from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.engine.sequence import Sequence, SequenceGroup, SeqStatus
 from pagedgen.model.runtime.batch import ScheduledChunk
@@ -271,13 +272,6 @@ def _scores_next_prompt_position(seq: Sequence, start: int, end: int) -> bool:
     whose logprobs are still missing."""
     group = seq.group
     return group.wants_prompt_logprobs and start < len(group.prompt_logprobs) <= end
-
-
-def check_step_budget(max_num_seqs: int, max_num_batched_tokens: int) -> None:
-    if max_num_batched_tokens < max_num_seqs:
-        raise ValueError(
-            f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
-            f"({max_num_seqs}): every running sequence needs one token of the step budget")
 
 
 def rejection_reason(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,

@@ -1,4 +1,4 @@
-"""The memory report (issue 5): a plain JSON-able dict built from a MemoryTracker.
+"""The memory report: a plain JSON-able dict built from a MemoryTracker.
 
 Sections: pool, summary, counterfactual, timeline, peak_block_tables, block_table_snapshots.
 Ratios are fractions in [0, 1]; sizes are in bytes, tokens or blocks as their names say.

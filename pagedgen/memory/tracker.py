@@ -9,7 +9,7 @@ for `inspect-memory --step`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from pagedgen.validation import require_int
@@ -130,6 +130,12 @@ class MemoryTracker:
         if self.bytes_per_token % elements:
             raise ValueError(f"MemoryTracker: bytes_per_token={self.bytes_per_token} is not a multiple "
                              f"of 2 x num_layers x num_kv_heads x head_dim = {elements}")
+
+    def reset(self) -> None:
+        """Forget everything recorded; the pool's description stays."""
+        fresh = replace(self)
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(fresh, name))
 
     @property
     def layout(self) -> dict[str, int] | None:

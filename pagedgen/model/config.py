@@ -90,13 +90,6 @@ class ModelConfig:
 
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype)
 
-    @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Build from a config.json mapping (transformers 4.x or 5.x spelling)."""
-        from pagedgen.model.loading.hf_config import model_config_from_hf
-
-        return model_config_from_hf(raw)
-
 
 def _validate(cfg: ModelConfig) -> None:
     if cfg.architecture not in SUPPORTED_ARCHITECTURES:

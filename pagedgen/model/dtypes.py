@@ -2,19 +2,10 @@
 
 `dtype=None` (or "auto") picks, per device:
   * CUDA: bfloat16 where the GPU supports it, else float16.
-  * CPU: bfloat16. Batched generation is GEMM-bound and this CPU's AMX runs bf16 GEMMs
-    several times faster than float32. Measured with ModelRunner.execute on the default
-    model (SmolLM2-135M), 1 thread, CPU time per step (median of 3), context 300, on the
-    2-core AVX-512/AMX development machine:
-
-        step                  bfloat16   float32
-        decode, batch 1          70 ms     70 ms
-        decode, batch 16        111 ms    243 ms
-        decode, batch 64        252 ms    609 ms
-        prefill, 512 tokens     376 ms   1244 ms
-
-    float32 only ties at batch 1, which is not what a batch tool runs; it remains the
-    dtype for exact comparisons (tests against transformers use it).
+  * CPU: bfloat16. Batched generation is GEMM-bound and AMX (or AVX-512 BF16) runs bf16
+    GEMMs several times faster than float32 (step times: bench/FIGURES.md). float32 only
+    ties at batch 1, which is not what a batch tool runs; it remains the dtype for exact
+    comparisons (tests against transformers use it).
 """
 from __future__ import annotations
 

@@ -24,13 +24,13 @@ from pagedgen.model.layers.rope import apply_rope
 class StepMetadata:
     """Everything a layer needs about the flat batch beyond its hidden states."""
 
-    ops: ModuleType  # pagedgen.kernels.torch_ops or triton_ops
+    ops: ModuleType  # pagedgen.kernels.cpu_backend or triton_ops
     slot_mapping: torch.Tensor  # int64 [T]: cache slot each new token's K/V goes to
     block_tables: torch.Tensor  # int32 [S, max_blocks], padded with 0
     seq_lens: torch.Tensor  # int32 [S]: context length after this step
     query_start_loc: torch.Tensor  # int32 [S + 1]: rows of sequence s in the flat batch
     rope: torch.Tensor  # [T, 2, D/2]: cos/sin rows of the tokens' positions
-    plan: Any = None  # kernel-specific precomputation (torch_ops.AttentionPlan), or None
+    plan: Any = None  # kernel-specific precomputation (cpu_backend.AttentionPlan), or None
 
 
 def build_step_metadata(ops: ModuleType, *, slot_mapping: torch.Tensor, block_tables: torch.Tensor,

@@ -1,8 +1,8 @@
 """A pure decode step's decoder layers in one native call (CPU, bfloat16, AMX-packed weights).
 
 `LlamaDecoder.forward` runs its layers one module at a time; on CPU that is ten native kernels
-per layer, each opening an OpenMP region, with Python in between while the other thread waits
-(~8 ms of a ~53 ms decode step at batch 64 on the default model, 2 threads).
+per layer, each opening an OpenMP region, with Python in between while the other threads wait
+(a noticeable share of a decode step: bench/FIGURES.md).
 `kernels/cpu_decode_step.c` runs the same kernels in the same order inside one region, so the
 result is bit-identical; this module describes the weights to it once and the step's buffers
 on every call. Anything it does not cover (prefill chunks, float32, Qwen3's q/k norm, no
@@ -18,22 +18,25 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedgen.kernels import native, torch_ops
+from pagedgen.kernels import cpu_backend
 from pagedgen.model.layers.linear import AMX_MAX_ROWS
 
 if TYPE_CHECKING:
+    from torch import nn
+
+    from pagedgen.model.config import ModelConfig
     from pagedgen.model.layers.attention import StepMetadata
-    from pagedgen.model.layers.llama import LlamaDecoder
 
 _ptr = ctypes.c_void_p
 
 
-class _LayerWeights(ctypes.Structure):
+# The ctypes mirrors of kernels/cpu_decode_step.c's structs: same names, same fields, same order.
+class DecodeLayerWeights(ctypes.Structure):
     _fields_ = [(name, _ptr) for name in ("input_norm", "post_attention_norm", "qkv", "qkv_bias",
                                           "o", "o_bias", "gate_up", "down")]
 
 
-class _ModelShape(ctypes.Structure):
+class DecodeModelShape(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64),
                 ("num_q_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
                 ("head_dim", ctypes.c_int), ("block_size", ctypes.c_int),
@@ -43,7 +46,7 @@ class _ModelShape(ctypes.Structure):
 _SCRATCH = ("normed", "qkv", "qk_rotated", "attended", "attn_out", "gate_up", "activated")
 
 
-class _StepBuffers(ctypes.Structure):
+class DecodeStepBuffers(ctypes.Structure):
     _fields_ = [("tokens", ctypes.c_int64), ("residual", _ptr), ("mlp_out", _ptr),
                 ("cos_sin", _ptr), ("slots", _ptr), ("kv_cache", _ptr),
                 ("num_slots", ctypes.c_int64), ("block_tables", _ptr), ("seq_lens", _ptr),
@@ -56,22 +59,21 @@ def _address(tensor: torch.Tensor | None) -> int | None:
 
 @dataclass(slots=True)
 class FusedDecode:
-    layers: ctypes.Array  # _LayerWeights per layer; the tensors stay owned by the model
+    layers: ctypes.Array  # DecodeLayerWeights per layer; the tensors stay owned by the model
     row_widths: dict[str, int]  # scratch name -> elements per row
 
     @classmethod
-    def build(cls, model: LlamaDecoder) -> FusedDecode | None:
+    def build(cls, config: ModelConfig, decoder_layers: nn.ModuleList) -> FusedDecode | None:
         """The layer descriptions, or None when the model's layers are not all covered."""
-        config = model.config
         if config.qk_norm or os.environ.get("PAGEDGEN_FUSED_DECODE", "1") == "0":
             return None
         layers = []
-        for layer in model.layers:
+        for layer in decoder_layers:
             attention, mlp = layer.attention, layer.mlp
             packed = (attention.qkv_packed, attention.o_packed, mlp.gate_up_packed, mlp.down_packed)
             if any(p is None or p.kind != "amx" for p in packed):
                 return None
-            layers.append(_LayerWeights(
+            layers.append(DecodeLayerWeights(
                 _address(layer.input_norm.weight), _address(layer.post_attention_norm.weight),
                 _address(packed[0].data), _address(attention.qkv_bias), _address(packed[1].data),
                 _address(attention.o_bias), _address(packed[2].data), _address(packed[3].data)))
@@ -80,30 +82,30 @@ class FusedDecode:
                   "qk_rotated": q_size + kv_size, "attended": q_size,
                   "attn_out": config.hidden_size, "gate_up": 2 * config.intermediate_size,
                   "activated": config.intermediate_size, "mlp_out": config.hidden_size}
-        return cls((_LayerWeights * len(layers))(*layers), widths)
+        return cls((DecodeLayerWeights * len(layers))(*layers), widths)
 
-    def run(self, model: LlamaDecoder, hidden: torch.Tensor, step: StepMetadata,
+    def run(self, config: ModelConfig, hidden: torch.Tensor, step: StepMetadata,
             kv_cache: torch.Tensor) -> torch.Tensor | None:
         """All layers over `hidden` (updated in place); returns the last layer's MLP output
         (still to be added to `hidden`), or None, untouched, when this step is not covered."""
         plan = step.plan
         tokens = hidden.shape[0]
-        if (step.ops is not torch_ops or plan is None or plan.prefills or plan.decode is None
+        if (step.ops is not cpu_backend or plan is None or plan.prefills or plan.decode is None
                 or tokens > AMX_MAX_ROWS or hidden.dtype != torch.bfloat16
                 or kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous()
                 or step.slot_mapping.dtype != torch.int64 or not hidden.is_contiguous()):
             return None
-        config, decode = model.config, plan.decode
+        decode = plan.decode
         scratch = self._scratch(tokens)
-        shape = _ModelShape(config.hidden_size, config.intermediate_size, config.num_heads,
+        shape = DecodeModelShape(config.hidden_size, config.intermediate_size, config.num_heads,
                             config.num_kv_heads, config.head_dim, kv_cache.shape[3],
                             config.rms_norm_eps, config.head_dim ** -0.5)
-        buffers = _StepBuffers(
+        buffers = DecodeStepBuffers(
             tokens, hidden.data_ptr(), scratch["mlp_out"].data_ptr(), step.rope.data_ptr(),
             step.slot_mapping.data_ptr(), kv_cache.data_ptr(), kv_cache.shape[2] * kv_cache.shape[3],
             decode.tables.data_ptr(), decode.lens.data_ptr(), decode.tables.shape[1],
             *(scratch[name].data_ptr() for name in _SCRATCH))
-        status = native.load().decode_layers_bf16(
+        status = cpu_backend.decode_layers_bf16(
             ctypes.addressof(self.layers), len(self.layers), ctypes.byref(shape),
             ctypes.byref(buffers), torch.get_num_threads())
         if status == 2:

@@ -3,11 +3,10 @@
 Two packings, whichever the CPU has:
 - AMX (kernels/cpu_gemm_amx.c): the weight as tiles for the tile unit; used for up to
   AMX_MAX_ROWS rows (decode steps, small prefills), where the GEMM is bound by streaming the
-  weights and our kernel reached 1.2-2x oneDNN's speed through torch (2 threads, bf16, the
-  default model's shapes; 25-30 GB/s of weights at M <= 32). Larger row counts go to F.linear
-  on the plain weight, which matched oneDNN there.
+  weights and our kernel streams them faster than oneDNN through torch (bench/FIGURES.md).
+  Larger row counts go to F.linear on the plain weight, which matched oneDNN there.
 - oneDNN (`mkldnn._reorder_linear_weight`) where there is no AMX: F.linear reorders the weight
-  on every call, which for decode-sized GEMMs measured ~30% slower than packing once.
+  on every call, slower for decode-sized GEMMs than packing once.
 Either way only one packed copy is kept next to the plain weight. float32 and other devices
 keep F.linear.
 """
@@ -18,9 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedgen.kernels import native
+from pagedgen.kernels import cpu_backend
 
-AMX_MAX_ROWS = 256  # measured: at 512 rows F.linear is as fast, and x no longer fits L2
+AMX_MAX_ROWS = 256  # beyond it F.linear catches up, and x no longer fits L2
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +33,7 @@ def pack_weight(weight: torch.Tensor, rows_hint: int = 64) -> PackedWeight | Non
     """A repacked copy of a [out, in] weight, or None where packing does not apply."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
-    amx = native.amx_pack(weight.detach())
+    amx = cpu_backend.amx_pack(weight.detach())
     if amx is not None:
         return PackedWeight("amx", amx, weight.shape[0])
     if not torch.backends.mkldnn.is_available():
@@ -53,7 +52,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     if packed.kind == "amx":
         if x.shape[0] <= AMX_MAX_ROWS:
-            out = native.amx_linear(x, packed.data, packed.out_features, bias)
+            out = cpu_backend.amx_linear(x, packed.data, packed.out_features, bias)
             if out is not None:
                 return out
         return F.linear(x, weight, bias)
@@ -63,9 +62,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_float32(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None = None
                    ) -> torch.Tensor:
     """linear(x, weight, packed=packed).float(), in one pass where the AMX kernel applies
-    (the LM head: the sampler wants float32 logits; ~1.4 ms a decode step of 64 rows)."""
+    (the LM head: the sampler wants float32 logits, and a separate cast is one more pass)."""
     if packed is not None and packed.kind == "amx" and x.shape[0] <= AMX_MAX_ROWS:
-        out = native.amx_linear(x, packed.data, packed.out_features, out_dtype=torch.float32)
+        out = cpu_backend.amx_linear(x, packed.data, packed.out_features, out_dtype=torch.float32)
         if out is not None:
             return out
     return linear(x, weight, packed=packed).float()

@@ -57,7 +57,7 @@ class LlamaDecoder(nn.Module):
             layer.attention.pack_weights()
             layer.mlp.pack_weights()
         self.lm_head_packed = pack_weight(self.lm_head_weight)
-        self.fused_decode = FusedDecode.build(self)
+        self.fused_decode = FusedDecode.build(self.config, self.layers)
 
     def reset_rope_table(self) -> None:
         """(Re)compute the RoPE table on the weights' device and dtype."""
@@ -80,7 +80,7 @@ class LlamaDecoder(nn.Module):
         hidden = F.embedding(input_ids, self.embed_weight)
         pending = None
         if self.fused_decode is not None:  # pure decode steps on CPU: all layers in one call
-            pending = self.fused_decode.run(self, hidden, step, kv_cache)
+            pending = self.fused_decode.run(self.config, hidden, step, kv_cache)
         if pending is None:
             for layer, layer_cache in zip(self.layers, kv_cache):
                 pending = layer(hidden, pending, step, layer_cache)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedgen.kernels import native
+from pagedgen.kernels import cpu_backend
 from pagedgen.model.layers.linear import linear, pack_weight
 
 
@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
 
         On CPU in bfloat16 the add and the norm are one native pass (kernels/cpu_fused_ops.c);
         elsewhere the same operations in the same order in torch."""
-        fused = native.add_rms_norm(x, delta, self.weight, self.eps)
+        fused = cpu_backend.add_rms_norm(x, delta, self.weight, self.eps)
         if fused is not None:
             return fused
         if delta is not None:
@@ -64,7 +64,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, packed=self.gate_up_packed)
-        activated = native.silu_mul(gate_up)  # one pass on CPU in bfloat16, else None
+        activated = cpu_backend.silu_mul(gate_up)  # one pass on CPU in bfloat16, else None
         if activated is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             activated = F.silu(gate).mul_(up)  # in place: one temporary less

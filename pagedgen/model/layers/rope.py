@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from pagedgen.kernels import native
+from pagedgen.kernels import cpu_backend
 from pagedgen.model.config import ModelConfig
 
 
@@ -63,7 +63,7 @@ def apply_rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
 
     Same arithmetic as transformers' `x * cos + rotate_half(x) * sin`, written per half.
     """
-    fused = native.rope(x, cos_sin)  # one pass on CPU in bfloat16 (bit-identical), else None
+    fused = cpu_backend.rope(x, cos_sin)  # one pass on CPU in bfloat16 (bit-identical), else None
     if fused is not None:
         return fused
     half = x.shape[-1] // 2

@@ -1,8 +1,8 @@
 """A lean GGUF container reader: metadata and memory-mapped tensor data, nothing else.
 
 gguf.GGUFReader parses every element of every metadata array into its own numpy view; for
-the default model's 49k-token vocabulary and 49k merges that is ~2.5 s (idle machine) of a
-~5 s load. pagedgen never needs those strings (transformers builds the tokenizer from the
+the default model's 49k-token vocabulary and 49k merges that was about half of the load
+(bench/FIGURES.md). pagedgen never needs those strings (transformers builds the tokenizer from the
 file itself), so this reader skips over string arrays and keeps everything else. Values are
 decoded with the `gguf` package's own type tables; dequantization stays with gguf.quants.
 """

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from pagedgen.model.config import ModelConfig
 from pagedgen.model.errors import ModelLoadError, load_errors_named
+from pagedgen.model.loading.hf_config import model_config_from_hf
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -31,7 +32,7 @@ def read_hf_config(folder: Path) -> tuple[ModelConfig, dict[str, Any]]:
         raw = json.loads(config_path.read_text(encoding="utf-8"))
         if not isinstance(raw, dict):
             raise ModelLoadError(f"must hold a JSON object, not a {type(raw).__name__}")
-        return ModelConfig.from_hf_dict(raw), raw
+        return model_config_from_hf(raw), raw
 
 
 def safetensors_files(folder: Path) -> list[Path]:

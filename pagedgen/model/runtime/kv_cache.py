@@ -5,13 +5,26 @@ fit" without loading a model.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-# Without an explicit size the pool takes this share of the memory that is free *after* the
-# weights are loaded. CPU memory is shared with the OS and other processes, so it is smaller.
-DEFAULT_KV_MEMORY_FRACTION = {"cuda": 0.9, "cpu": 0.3}
+from pagedgen.validation import require_int
+
+# Without an explicit size: a fixed budget on CPU, a share of free memory on CUDA. On CPU a
+# fraction of free memory meant several GB of zero-filled pool for a small model on a machine
+# shared with the OS and other processes, while 1 GiB already holds tens of thousands of tokens
+# of a small model; a GPU is the process's own, so it takes most of what the weights left.
+DEFAULT_KV_MEMORY_BYTES = 2**30
+DEFAULT_KV_MEMORY_FRACTION = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class KVPoolSize:
+    num_blocks: int
+    budget_bytes: int   # the bytes asked for (num_blocks x bytes per block when given blocks)
+    source: str         # where the size came from, for messages and inspect-memory
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:
@@ -53,47 +66,62 @@ def _meminfo_available(path: Path = Path("/proc/meminfo")) -> int:
     raise RuntimeError(f"{path} has no MemAvailable line; pass num_blocks or kv_memory_bytes")
 
 
-def resolve_num_blocks(*, bytes_per_token: int, block_size: int, device: torch.device | str,
-                       num_blocks: int | None = None, kv_memory_bytes: int | None = None,
-                       kv_memory_fraction: float | None = None) -> int:
-    """Pool size from exactly one of: num_blocks, a byte budget, a fraction of free memory.
+def size_kv_pool(*, bytes_per_token: int, block_size: int, device: torch.device | str,
+                 num_blocks: int | None = None, kv_memory_bytes: int | None = None,
+                 kv_memory_fraction: float | None = None, check_available: bool = True) -> KVPoolSize:
+    """The one rule that sizes the KV pool, from at most one of: num_blocks, a byte budget, a
+    fraction of free memory; with none, the device's default (see DEFAULT_KV_MEMORY_BYTES).
 
-    With none given, the device's default fraction of free memory is used.
+    check_available: refuse, before anything is allocated, a pool larger than the memory
+    available now, naming the largest pool that fits (inspect-memory sizes hypothetical pools
+    and turns it off).
     """
     given = [name for name, value in (("num_blocks", num_blocks), ("kv_memory_bytes", kv_memory_bytes),
                                       ("kv_memory_fraction", kv_memory_fraction)) if value is not None]
     if len(given) > 1:
         raise ValueError(f"give at most one of num_blocks, kv_memory_bytes, kv_memory_fraction; got {given}")
+    require_int("block_size", block_size)
+    per_block = kv_bytes_per_block(bytes_per_token, block_size)
     if num_blocks is not None:
-        return _checked_num_blocks(num_blocks)
-    budget, source = _budget(kv_memory_bytes, kv_memory_fraction, device)
-    blocks = blocks_for_budget(budget, block_size, bytes_per_token)
-    if blocks < 1:
-        need = kv_bytes_per_block(bytes_per_token, block_size)
-        raise ValueError(f"{source} gives {budget} bytes, less than one KV block ({need} bytes "
-                         f"= {block_size} tokens x {bytes_per_token} bytes/token)")
-    return blocks
+        require_int("num_blocks", num_blocks)
+        pool = KVPoolSize(num_blocks, num_blocks * per_block, f"num_blocks={num_blocks}")
+    else:
+        budget, source = _budget(kv_memory_bytes, kv_memory_fraction, device)
+        pool = KVPoolSize(blocks_for_budget(budget, block_size, bytes_per_token), budget, source)
+        if pool.num_blocks < 1:
+            raise ValueError(f"{source} gives {budget} bytes, less than one KV block ({per_block} bytes "
+                             f"= {block_size} tokens x {bytes_per_token} bytes/token)")
+    if check_available and kv_memory_fraction is None:
+        _refuse_oversize(pool, per_block, device)
+    return pool
 
 
-def _checked_num_blocks(num_blocks: int) -> int:
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-        raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-    return num_blocks
-
-
-def _budget(kv_memory_bytes, kv_memory_fraction, device) -> tuple[int, str]:
+def _budget(kv_memory_bytes: int | None, kv_memory_fraction: float | None,
+            device: torch.device | str) -> tuple[int, str]:
     if kv_memory_bytes is not None:
-        if isinstance(kv_memory_bytes, bool) or not isinstance(kv_memory_bytes, int) or kv_memory_bytes <= 0:
-            raise ValueError(f"kv_memory_bytes must be a positive integer, got {kv_memory_bytes!r}")
+        require_int("kv_memory_bytes", kv_memory_bytes)
         return kv_memory_bytes, f"kv_memory_bytes={kv_memory_bytes}"
     device_type = torch.device(device).type
-    fraction = kv_memory_fraction
-    if fraction is None:
-        fraction = DEFAULT_KV_MEMORY_FRACTION.get(device_type, DEFAULT_KV_MEMORY_FRACTION["cpu"])
+    if kv_memory_fraction is None and device_type != "cuda":
+        return DEFAULT_KV_MEMORY_BYTES, f"the default {DEFAULT_KV_MEMORY_BYTES >> 20} MiB on {device_type}"
+    fraction = DEFAULT_KV_MEMORY_FRACTION if kv_memory_fraction is None else kv_memory_fraction
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {fraction!r}")
     free = available_memory_bytes(device)
-    return int(free * fraction), f"kv_memory_fraction={fraction} of {free} free bytes"
+    return int(free * fraction), f"kv_memory_fraction={fraction} of {free} free bytes on {device}"
+
+
+def _refuse_oversize(pool: KVPoolSize, per_block: int, device: torch.device | str) -> None:
+    """A pool that cannot fit would fail late (an out-of-memory kill on CPU, mid-allocation on
+    CUDA); say at once what does fit instead."""
+    need = pool.num_blocks * per_block
+    available = available_memory_bytes(device)
+    if need <= available:
+        return
+    fits = available // per_block
+    raise ValueError(f"the KV pool ({pool.source}: {pool.num_blocks} blocks, {need} bytes) is larger than "
+                     f"the {available} bytes available on {device}; the largest pool that fits is "
+                     f"{fits} blocks ({fits * per_block} bytes): lower num_blocks / kv_memory")
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,

@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import torch
 
 from pagedgen.kernels import get_ops
+from pagedgen.validation import require_int
 from pagedgen.model.layers.attention import StepMetadata, build_step_metadata
 from pagedgen.model.runtime.batch import FlatBatch, ScheduledChunk, build_flat_batch
 from pagedgen.model.runtime.cpu_malloc import keep_freed_memory
-from pagedgen.model.runtime.kv_cache import allocate_kv_cache, resolve_num_blocks
+from pagedgen.model.runtime.kv_cache import allocate_kv_cache, size_kv_pool
+from pagedgen.model.runtime.timed_kernels import TimedKernels
 from pagedgen.model.loading.loader import LoadedModel
 
 __all__ = ["ModelRunner", "ScheduledChunk"]
@@ -20,23 +23,27 @@ class ModelRunner:
                  kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None,
                  kernels: ModuleType | None = None) -> None:
         """kernels: override the device's kernel module (tests run triton_ops interpreted on CPU)."""
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        require_int("block_size", block_size)
         self.model = loaded.model
         self.config = loaded.config
         self.dtype, self.device = loaded.dtype, torch.device(loaded.device)
         self.block_size = block_size
-        self.ops = kernels or get_ops(self.device)  # Triton kernels on CUDA, torch ops on CPU
-        self.num_blocks = resolve_num_blocks(
+        self.kernels = kernels or get_ops(self.device)  # Triton kernels on CUDA, the CPU backend on CPU
+        self.ops = self.kernels  # what the model calls: the backend, or it seen through a timer
+        self.num_blocks = size_kv_pool(
             bytes_per_token=self.config.kv_bytes_per_token(self.dtype), block_size=block_size,
             device=self.device, num_blocks=num_blocks, kv_memory_bytes=kv_memory_bytes,
-            kv_memory_fraction=kv_memory_fraction)
+            kv_memory_fraction=kv_memory_fraction).num_blocks
         if self.device.type == "cpu":
             keep_freed_memory()
         self.model.pack_weights()
         self.kv_cache = allocate_kv_cache(self.config.num_layers, self.num_blocks, block_size,
                                           self.config.num_kv_heads, self.config.head_dim,
                                           self.dtype, self.device)
+
+    def set_phase_hook(self, hook: Any) -> None:
+        """Time the attention kernels inside `hook.phase("attention")`; None: call them directly."""
+        self.ops = self.kernels if hook is None else TimedKernels(self.kernels, hook)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -1,9 +1,9 @@
 """Fast CPU paged-KV kernels: the C kernels where they apply, else block gather + SDPA.
 
 Decodes: native.decode_attention reads K/V in place through the tables (float32 and bf16);
-bf16 prefill chunks: native.prefill_attention (AMX flash attention). Otherwise, measured on
-this CPU (DESIGN.md): index_select + SDPA(enable_gqa=True) is fast, while repeat_interleave
-for GQA is 10x slower. All decodes go through one padded SDPA call; each prefill chunk gets
+bf16 prefill chunks: native.prefill_attention (AMX flash attention). Otherwise
+index_select + SDPA(enable_gqa=True), which is fast, where repeat_interleave for GQA is far
+slower (bench/FIGURES.md). All decodes go through one padded SDPA call; each prefill chunk gets
 one call with a causal mask shifted by its cached context.
 Computation stays in the input dtype (SDPA accumulates in float32 internally).
 """
@@ -16,7 +16,19 @@ from . import native
 from .attention_plan import AttentionPlan, PrefillChunk, plan_attention
 from .checks import check_attention_args, check_copy_args, check_plan_fits, check_store_args
 
-__all__ = ["AttentionPlan", "copy_blocks", "paged_attention", "plan_attention", "store_kv"]
+# The model layers' other CPU fast paths come through here too, so that kernels/native.py stays
+# private to this package. Each returns None where it does not apply (another device or dtype,
+# a CPU without the instructions) and the caller runs plain torch.
+from .native import add_rms_norm, amx_linear, amx_pack, rope, silu_mul  # noqa: E402
+
+__all__ = ["AttentionPlan", "add_rms_norm", "amx_linear", "amx_pack", "copy_blocks", "decode_layers_bf16",
+           "paged_attention", "plan_attention", "rope", "silu_mul", "store_kv"]
+
+
+def decode_layers_bf16(layers: int, num_layers: int, shape: object, buffers: object, threads: int) -> int:
+    """All decoder layers of a pure bf16 decode step in one native call (kernels/cpu_decode_step.c,
+    structs mirrored in pagedgen/model/layers/fused_decode.py): 0 done, 1 not covered, 2 no memory."""
+    return native.load().decode_layers_bf16(layers, num_layers, shape, buffers, threads)
 
 
 def store_kv(
@@ -77,7 +89,7 @@ def paged_attention(
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int, out: torch.Tensor):
     """[num_seqs, H_kv, nb * B, D] view of the listed blocks (SDPA's head-major layout)."""
-    # index_select over a 2-D [N, B*H*D] view copies whole rows: ~3x faster than over 4-D.
+    # index_select over a 2-D [N, B*H*D] view copies whole contiguous rows, unlike over 4-D.
     torch.index_select(cache.reshape(cache.shape[0], -1), 0, blocks, out=out)
     return out.view(num_seqs, -1, *cache.shape[2:]).transpose(1, 2)
 
@@ -94,7 +106,7 @@ def _attend_decodes(query, k_cache, v_cache, plan: AttentionPlan, scale, out) ->
     whole = not plan.prefills  # a pure decode step: its rows are 0..S-1, in order
     q = query if whole else query.index_select(0, group.rows)  # [S_d, H_q, D], rows may be strided
     attended = out if whole else plan.buffer("decode_out", tuple(q.shape), q)
-    # The native kernel reads K/V in place through the tables (no gather): ~3x less traffic.
+    # The native kernel reads K/V in place through the tables: no gathered copy to write and read.
     if native.decode_attention(q, k_cache, v_cache, group.tables, group.lens, scale, attended):
         if not whole:
             out.index_copy_(0, group.rows, attended)

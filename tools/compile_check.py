@@ -1,6 +1,6 @@
 """Compile every Triton kernel for a GPU target ahead of time, no GPU needed.
 
-    python -m pagedgen.kernels.compile_check [--arch 90] [--quick]
+    python tools/compile_check.py [--arch 90] [--quick]
 
 The CPU interpreter accepts things the GPU compiler rejects (tl.dot shape limits, dtype
 rules); this runs the real compiler down to a cubin (ptxas ships with the triton wheel)
@@ -16,8 +16,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .triton_attention_kernel import paged_attention_kernel
-from .triton_cache_kernels import copy_blocks_kernel, store_kv_kernel
+from pagedgen.kernels.triton_attention_kernel import paged_attention_kernel
+from pagedgen.kernels.triton_cache_kernels import copy_blocks_kernel, store_kv_kernel
 
 ATTENTION_POINTERS = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")
 # (GROUP, GROUP_PAD, BLOCK_Q, HEAD_DIM): SmolLM2 decode and prefill tiles, Llama-8B prefill.
