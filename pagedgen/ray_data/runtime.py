@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Iterator
@@ -33,6 +34,7 @@ def ray_session(address: str | None) -> Iterator[ModuleType]:
     if owned:
         ray.init(address=address, include_dashboard=False, configure_logging=True,
                  logging_level="warning", log_to_driver=True)
+    logging.getLogger("ray.data").setLevel(logging.WARNING)   # no per-operator chatter
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.print_on_execution_start = False
