@@ -200,11 +200,3 @@ def test_the_stage_maps_a_dataset_with_a_per_row_error_column(ray_instance):
     rows = sorted(rows.take_all(), key=lambda r: r["text"])
     assert [r["error"] for r in rows] == ["'prompt' must be a non-empty string", "", ""]
     assert [r["n"] for r in rows] == [0, 2, 2] and all(r["out"] for r in rows[1:])
-
-
-def test_without_ray_the_option_says_how_to_install_it(tmp_path, config_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "ray", None)                  # `import ray` fails
-    inputs = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}])
-    result = run_cli(inputs, "-c", config_path, "--ray")
-    assert result.exit_code == 2
-    assert "pip install 'pagedgen[ray]'" in result.stderr

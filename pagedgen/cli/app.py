@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from pagedgen.cli.config import ConfigError, load_config, parse_set_option
 
@@ -130,7 +131,7 @@ def run(
     settings: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
                                        help="Any config key, e.g. --set sampling.min_p=0.05."),
     use_ray: Optional[bool] = typer.Option(None, "--ray/--no-ray", help="Generate on Ray (Ray Data; "
-                                           "pip install 'pagedgen[ray]'); see the ray: config section."),
+                                           "pip install 'pagedgen\\[ray]'); see the ray: config section."),
     address: Optional[str] = typer.Option(None, "--address", help="Ray cluster to join: auto, "
                                           "ray://HOST:10001 [default: start a local instance]. Implies --ray."),
     replicas: Optional[int] = typer.Option(None, "--replicas", help="Ray replicas, each with one "
@@ -158,7 +159,8 @@ def run(
                   show_progress=not quiet)
         summary = job.run()
     except (ConfigError, UsageError) as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        # escape: a message may hold brackets, e.g. pip install 'pagedgen[ray]'
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         raise typer.Exit(EXIT_USAGE) from None
     _print_outcome(console, summary, paths, _command_line(prompts, config, output))
     raise typer.Exit(summary.exit_code)

@@ -21,8 +21,7 @@ from pagedgen.cli.input_records import Request, RequestError, iter_lines
 from pagedgen.cli.output_files import JsonlAppender
 from pagedgen.cli.run_job import Job, UsageError, make_progress
 
-_COLUMNS = ["line", "record", "error", "replica_report"]
-
+_READ = ["line", "record", "error", "replica_report"]   # the stage's columns the driver reads
 
 def processor_config(config: RunConfig) -> Any:
     """The Ray Data stage's config for this run: the same engine and sampling settings."""
@@ -80,7 +79,9 @@ class RayJob(Job):
             rows = pending_rows(self.paths.input, pending)
             blocks = max(1, math.ceil(len(rows) / stage.batch_size))
             dataset = ray.data.from_items(rows, override_num_blocks=blocks)
-            results = build_processor(stage)(dataset).select_columns(_COLUMNS)
+            # No select_columns: it would be a task operator of its own, waiting for CPUs the
+            # replicas hold, and results would stop streaming until every batch is done.
+            results = build_processor(stage)(dataset)
             self.replica_reports = ReplicaReports()
             with make_progress(self.console, self.show_progress) as progress:
                 self._stream(results, {r.line: r for r in pending}, progress)
@@ -100,7 +101,7 @@ class RayJob(Job):
         answered: set[int] = set()
         with JsonlAppender(self.paths.output) as out:
             for batch in results.iter_batches(batch_size=None, batch_format="pyarrow"):
-                for row in batch.to_pylist():
+                for row in batch.select(_READ).to_pylist():
                     if row["replica_report"]:
                         self.replica_reports.add(row["replica_report"])
                     if row["line"] in answered:

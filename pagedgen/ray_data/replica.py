@@ -63,7 +63,8 @@ class PagedgenReplica:
         self.llm = LLM(config.model, **kwargs)
         self.name = f"{socket.gethostname()}-{os.getpid()}"
         self.counts = {"batches": 0, "rows": 0, "failed_rows": 0, "load_seconds":
-                       time.perf_counter() - started, "generate_seconds": 0.0}
+                       time.perf_counter() - started, "generate_seconds": 0.0,
+                       "ready_at": time.time(), "last_batch_at": None}   # wall clock
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
@@ -71,6 +72,7 @@ class PagedgenReplica:
         self.counts["batches"] += 1
         self.counts["rows"] += len(rows)
         self.counts["failed_rows"] += sum(1 for a in answers if a.error)
+        self.counts["last_batch_at"] = time.time()
         return _with_columns(batch, answers, self.name, json.dumps(self.report()))
 
     def answer(self, requests: list[Request | RequestError]) -> list[RowAnswer]:
