@@ -47,6 +47,11 @@ def pending_rows(path: Path, pending: list[Request]) -> list[dict[str, Any]]:
             for number, raw in iter_lines(path) if number in wanted]
 
 
+def _last_line(exc: Exception) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
 class RayJob(Job):
     """A Job whose generation runs in `config.ray.replicas` Ray actors."""
 
@@ -83,8 +88,14 @@ class RayJob(Job):
             # replicas hold, and results would stop streaming until every batch is done.
             results = build_processor(stage)(dataset)
             self.replica_reports = ReplicaReports()
-            with make_progress(self.console, self.show_progress) as progress:
-                self._stream(results, {r.line: r for r in pending}, progress)
+            try:
+                with make_progress(self.console, self.show_progress) as progress:
+                    self._stream(results, {r.line: r for r in pending}, progress)
+            except ray.exceptions.RayError as exc:
+                # Rows never raise, so this is the cluster's failure: most often a replica
+                # that cannot start (a model path missing on a node) or Ray giving up.
+                raise UsageError(f"the Ray run stopped: {_last_line(exc)}; every result written "
+                                 "so far is kept: rerun with --resume") from None
 
     def _check_resources(self, ray: Any, stage: Any) -> None:
         """A local instance cannot grow: too few CPUs would leave replicas waiting forever."""

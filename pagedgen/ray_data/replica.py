@@ -64,6 +64,7 @@ class PagedgenReplica:
         self.name = f"{socket.gethostname()}-{os.getpid()}"
         self.counts = {"batches": 0, "rows": 0, "failed_rows": 0, "load_seconds":
                        time.perf_counter() - started, "generate_seconds": 0.0,
+                       "generate_cpu_seconds": 0.0,   # this process's CPU time inside generate()
                        "ready_at": time.time(), "last_batch_at": None}   # wall clock
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -95,7 +96,7 @@ class PagedgenReplica:
             return {}
         batch_id = self.counts["batches"]
         ids = [f"{batch_id}-{i}" for i in prepared]
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         try:
             outputs = self.llm.generate([{"prompt_token_ids": p.token_ids} for p in prepared.values()],
                                         [p.params for p in prepared.values()], use_tqdm=False,
@@ -105,6 +106,7 @@ class PagedgenReplica:
             return {i: _error_answer(RequestError.of(p.request, reason)) for i, p in prepared.items()}
         finally:
             self.counts["generate_seconds"] += time.perf_counter() - started
+            self.counts["generate_cpu_seconds"] += time.process_time() - cpu_started
         return {i: self._answer(p, output) for (i, p), output in zip(prepared.items(), outputs)}
 
     def _answer(self, item: Prepared, output: Any) -> RowAnswer:
