@@ -23,6 +23,7 @@ from pagedgen.cli.run_job import Job, UsageError, make_progress
 
 _READ = ["line", "record", "error", "replica_report"]   # the stage's columns the driver reads
 
+
 def processor_config(config: RunConfig) -> Any:
     """The Ray Data stage's config for this run: the same engine and sampling settings."""
     from pagedgen.ray_data.config import ENGINE_KWARGS, ProcessorConfig

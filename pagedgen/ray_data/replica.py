@@ -58,7 +58,8 @@ class PagedgenReplica:
         self.config = config
         kwargs = dict(config.engine_kwargs)
         # One torch thread per reserved CPU unless told: more would fight the other replicas.
-        kwargs.setdefault("threads", max(1, int(config.cpus_per_replica)))
+        if kwargs.get("threads") is None:
+            kwargs["threads"] = max(1, int(config.cpus_per_replica))
         started = time.perf_counter()
         self.llm = LLM(config.model, **kwargs)
         self.name = f"{socket.gethostname()}-{os.getpid()}"
