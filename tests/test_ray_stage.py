@@ -1,8 +1,9 @@
 """`pagedgen run --ray` and the Ray Data stage on a local Ray instance (2 CPUs, 2 replicas).
 
-One Ray instance serves the module (starting one takes seconds); the tests run in one xdist
-group so that two workers do not each start their own. The reference for every check is the
-single-process `pagedgen run` on the same input: greedy float32, so the tokens must match.
+One Ray instance serves the module's tests in a process (starting one takes seconds; with
+`-n 2`, each xdist worker that gets some of these tests starts its own). The reference for
+every check is the single-process `pagedgen run` on the same input: greedy float32, so the
+tokens must match.
 """
 
 import json
@@ -22,7 +23,6 @@ from pagedgen.cli.app import app
 from tiny_models import tiny_model_dir, tiny_tokenizer
 
 ray = pytest.importorskip("ray", reason="Ray Data is an optional extra: pip install 'pagedgen[ray]'")
-pytestmark = pytest.mark.xdist_group("ray")
 
 COUNT = 40
 
