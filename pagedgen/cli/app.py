@@ -43,6 +43,8 @@ _SAMPLING_FLAGS = {"--max-tokens": "max_tokens", "--temperature": "temperature",
                    "--top-p": "top_p", "--top-k": "top_k", "--n": "n"}
 _OUTPUT_FLAGS = {"--output": "path", "--errors": "errors_path", "--report-dir": "report_dir",
                  "--ordered": "ordered"}
+# Naming a Ray address or a replica count means running on Ray.
+_RAY_FLAGS = {"--ray": "enabled", "--address": "address", "--replicas": "replicas"}
 
 
 def _overrides(flags: dict[str, Any], settings: list[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -56,6 +58,8 @@ def _overrides(flags: dict[str, Any], settings: list[str]) -> list[tuple[str, di
             overrides.append((flag, {_ENGINE_FLAGS[flag]: value}))
         elif flag in _SAMPLING_FLAGS:
             overrides.append((flag, {"sampling": {_SAMPLING_FLAGS[flag]: value}}))
+        elif flag in _RAY_FLAGS:
+            overrides.append((flag, {"ray": {_RAY_FLAGS[flag]: value, "enabled": value is not False}}))
         else:
             overrides.append((flag, {"output": {_OUTPUT_FLAGS[flag]: value}}))
     return overrides
@@ -177,6 +181,12 @@ def run(
         None, "--max-line-bytes", help="Longest input line read, e.g. 4MiB (default: 32 bytes "
                                        "per token of max_model_len, at least 64KiB)."),
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of an internal error."),
+    use_ray: Optional[bool] = typer.Option(None, "--ray/--no-ray", help="Generate on Ray (Ray Data; "
+                                           "pip install 'pagedgen\\[ray]'); see the ray: config section."),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster to join: auto, "
+                                          "ray://HOST:10001 [default: start a local instance]. Implies --ray."),
+    replicas: Optional[int] = typer.Option(None, "--replicas", help="Ray replicas, each with one "
+                                           "model copy. Implies --ray."),
 ) -> None:
     """Generate completions for every request in PROMPTS (resumable; nothing finished is lost).
 
@@ -191,13 +201,17 @@ def run(
              "--prefix-caching": prefix_caching, "--seed": seed, "--threads": threads,
              "--max-tokens": max_tokens, "--temperature": temperature, "--top-p": top_p,
              "--top-k": top_k, "--n": n, "--output": output, "--errors": errors,
-             "--report-dir": report_dir, "--ordered": ordered, "--max-line-bytes": max_line_bytes}
+             "--report-dir": report_dir, "--ordered": ordered, "--max-line-bytes": max_line_bytes,
+             "--ray": use_ray, "--address": address, "--replicas": replicas}
     argv, job = _command_line(ctx), None
     try:
         run_config = load_config(config, _overrides(flags, settings))
         paths = resolve_paths(prompts, run_config, write_report=not no_report)
-        job = Job(run_config, paths, console, resume=resume, overwrite=overwrite,
-                  show_progress=not quiet, command=argv)
+        job_type = Job
+        if run_config.ray.enabled:  # the same job, generation on Ray (cli/ray_job.py)
+            from pagedgen.cli.ray_job import RayJob as job_type
+        job = job_type(run_config, paths, console, resume=resume, overwrite=overwrite,
+                       show_progress=not quiet, command=argv)
         summary = job.run()
     except (ConfigError, UsageError) as exc:
         console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)

@@ -21,6 +21,7 @@ import yaml
 from pagedgen.validation import brief, int_at_least, is_int, shorten
 from pagedgen.engine.engine_config import EngineConfig
 from pagedgen.cli.input_records import validate_sampling_fields
+from pagedgen.cli.ray_settings import RAY_CHECKS, RayConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -61,6 +62,7 @@ class RunConfig:
     max_line_bytes: int | None = None  # None: derived from max_model_len (see input_limits)
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
     output: OutputConfig = field(default_factory=OutputConfig)
+    ray: RayConfig = field(default_factory=RayConfig)   # run on Ray (ray_settings.py)
 
 
 # --- value checks: each returns the normalised value or raises ValueError(requirement) ---
@@ -165,6 +167,15 @@ def _apply_output(config: RunConfig, source: str, values: Any) -> None:
         setattr(config.output, key, _checked(source, f"output.{key}", _OUTPUT_CHECKS[key], value))
 
 
+def _apply_ray(config: RunConfig, source: str, values: Any) -> None:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: 'ray' must be a mapping, got {type(values).__name__}")
+    for key, value in values.items():
+        if key not in RAY_CHECKS:
+            raise _unknown_key(source, f"ray.{key}", list(RAY_CHECKS))
+        setattr(config.ray, key, _checked(source, f"ray.{key}", RAY_CHECKS[key], value))
+
+
 def _apply_sampling(config: RunConfig, source: str, values: Any) -> None:
     if not isinstance(values, dict):
         raise ConfigError(f"{source}: 'sampling' must be a mapping, got {type(values).__name__}")
@@ -181,12 +192,14 @@ def apply_values(config: RunConfig, values: dict[str, Any], source: str) -> RunC
             _apply_sampling(config, source, value)
         elif key == "output":
             _apply_output(config, source, value)
+        elif key == "ray":
+            _apply_ray(config, source, value)
         elif key in _ENGINE_CHECKS:
             setattr(config, key, _checked(source, key, _ENGINE_CHECKS[key], value))
             if key in _EXCLUSIVE and value is not None:
                 setattr(config, _EXCLUSIVE[key], None)
         else:
-            raise _unknown_key(source, str(key), [*_ENGINE_CHECKS, "sampling", "output"])
+            raise _unknown_key(source, str(key), [*_ENGINE_CHECKS, "sampling", "output", "ray"])
     return config
 
 
