@@ -18,6 +18,7 @@ import torch
 from pagedgen.validation import require_int
 from pagedgen.defaults import default_kv_memory
 from pagedgen.engine.engine import EngineConfig, LLMEngine
+from pagedgen.model.runtime.kv_cache import kv_format
 from pagedgen.memory.report import build_report
 from pagedgen.memory.tracker import MemoryTracker
 from pagedgen.model.loading.loader import load_model
@@ -35,23 +36,27 @@ class LLM:
     vLLM's name) or kv_memory (bytes for the pool; neither: 1 GiB on CPU, a share of free
     memory on CUDA), max_num_seqs, max_num_batched_tokens, max_model_len (default: the model's
     max_position_embeddings capped by the pool's capacity), enable_prefix_caching, seed (for
-    unseeded requests), threads (torch.set_num_threads; None leaves torch's choice)."""
+    unseeded requests), threads (torch.set_num_threads; None leaves torch's choice),
+    kv_cache_dtype ("auto": the model's dtype; "int8", "fp8_e4m3", "fp8_e5m2": 8-bit codes
+    with per-block scales, about half the bytes per token of bf16)."""
 
     def __init__(self, model: str | None = None, *, dtype: str | torch.dtype | None = None,
                  device: str | None = None, block_size: int = 16, num_blocks: int | None = None,
                  num_gpu_blocks: int | None = None, kv_memory: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 seed: int = 0, threads: int | None = None) -> None:
+                 seed: int = 0, threads: int | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         _set_threads(threads)
         require_int("block_size", block_size)
         # Checked before the (slow) model load, so that a typo fails at once.
         EngineConfig(max_num_seqs, max_num_batched_tokens, 1, enable_prefix_caching, seed)
+        kv_format(kv_cache_dtype)
         device = _resolve_device(device)
         num_blocks, kv_memory = _pool_size(num_blocks, num_gpu_blocks, kv_memory, device)
         self.loaded = load_model(model, None if dtype == "auto" else dtype, device)
         self.runner = ModelRunner(self.loaded, block_size, num_blocks=num_blocks,
-                                  kv_memory_bytes=kv_memory)
+                                  kv_memory_bytes=kv_memory, kv_cache_dtype=kv_cache_dtype)
         self.max_model_len = _resolve_max_model_len(
             max_model_len, self.loaded.config.max_position_embeddings, self.runner.num_blocks * block_size)
         config = EngineConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len,
@@ -63,10 +68,10 @@ class LLM:
 
     def _build_tracker(self, block_size: int) -> MemoryTracker:
         cfg, dtype = self.loaded.config, self.runner.dtype
-        return MemoryTracker(block_size, self.runner.num_blocks, cfg.kv_bytes_per_token(dtype),
+        return MemoryTracker(block_size, self.runner.num_blocks, self.runner.kv_bytes_per_token,
                              str(dtype).removeprefix("torch."), self.max_model_len,
                              num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                             head_dim=cfg.head_dim)
+                             head_dim=cfg.head_dim, kv_cache_dtype=self.runner.kv_cache_dtype)
 
     def get_tokenizer(self) -> Any:
         return self.loaded.tokenizer
