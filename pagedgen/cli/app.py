@@ -33,7 +33,8 @@ def _main() -> None:
 
 
 # Flag -> config key; None means "not given", so the config file's value stands.
-_ENGINE_FLAGS = {"--model": "model", "--dtype": "dtype", "--device": "device",
+_ENGINE_FLAGS = {"--model": "model", "--dtype": "dtype", "--kv-cache-dtype": "kv_cache_dtype",
+                 "--device": "device",
                  "--block-size": "block_size", "--kv-memory": "kv_memory",
                  "--num-blocks": "num_blocks", "--max-num-seqs": "max_num_seqs",
                  "--max-num-batched-tokens": "max_num_batched_tokens",
@@ -108,6 +109,8 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or report summary."),
     model: Optional[str] = typer.Option(None, "--model", help="HF folder, .gguf file, or 'default'."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16, float16."),
+    kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype",
+                                                 help="auto, int8, fp8_e4m3, fp8_e5m2 (8-bit KV pool)."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
     block_size: Optional[int] = typer.Option(None, "--block-size"),
     kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="KV pool size, e.g. 2GiB."),
@@ -137,6 +140,7 @@ def run(
              "--max-tokens": max_tokens, "--temperature": temperature, "--top-p": top_p,
              "--top-k": top_k, "--n": n, "--output": output, "--errors": errors,
              "--report-dir": report_dir, "--ordered": ordered}
+    flags["--kv-cache-dtype"] = kv_cache_dtype
     try:
         run_config = load_config(config, _overrides(flags, settings))
         paths = resolve_paths(prompts, run_config, write_report=not no_report)
@@ -172,6 +176,8 @@ def profile(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     model: Optional[str] = typer.Option(None, "--model", help="HF folder, .gguf file, or 'default'."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16, float16."),
+    kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype",
+                                                 help="auto, int8, fp8_e4m3, fp8_e5m2 (8-bit KV pool)."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
     kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="KV pool size, e.g. 2GiB."),
     num_blocks: Optional[int] = typer.Option(None, "--num-blocks", help="Pool size at the first block size."),
@@ -191,6 +197,7 @@ def profile(
              "--num-blocks": num_blocks, "--max-num-seqs": max_num_seqs,
              "--max-num-batched-tokens": max_num_batched_tokens, "--max-model-len": max_model_len,
              "--seed": seed, "--threads": threads}
+    flags["--kv-cache-dtype"] = kv_cache_dtype
     try:
         run_config = load_config(config, _overrides(flags, []))
         spec = WorkloadSpec(str(prompts) if prompts else None, num_requests,
@@ -216,6 +223,8 @@ def inspect_memory(
     seq_len: list[int] = typer.Option([], "--seq-len", help="Sequence length to fit (repeatable)."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16, float16."),
+    kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype",
+                                                 help="auto, int8, fp8_e4m3, fp8_e5m2 (8-bit KV pool)."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
     report: Optional[Path] = typer.Option(None, "--report", help="A memory_report.json: map its pool."),
     step: Optional[int] = typer.Option(None, "--step", help="A recorded step [default: the peak]."),
@@ -239,6 +248,7 @@ def inspect_memory(
             flags = {"--model": model, "--dtype": dtype, "--device": device, "--kv-memory": kv_memory,
                      "--num-blocks": num_blocks, "--block-size": block_size,
                      "--max-model-len": max_model_len}
+            flags["--kv-cache-dtype"] = kv_cache_dtype
             data = sizing_for_config(load_config(config, _overrides(flags, [])), seq_len)
             renderable = sizing_renderable(data)
     except (ConfigError, ValueError, OSError) as exc:

@@ -57,7 +57,8 @@ def sizing_for_config(config: Any, seq_lens: Sequence[int] = ()) -> dict[str, An
     shape = read_model_shape(config.model)
     dtype = str(resolve_dtype(None if config.dtype == "auto" else config.dtype, device)).removeprefix("torch.")
     budget, source = _budget(config, device)
-    kv = KVShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
+    kv = KVShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype,
+                 config.kv_cache_dtype)
     probe = pool_sizing(kv, config.block_size, shape.max_position_embeddings, budget, config.num_blocks)
     # The same rule as LLM: the model's length, capped by what the pool can hold at all.
     max_model_len = config.max_model_len or min(shape.max_position_embeddings, probe.pool_tokens)
@@ -73,6 +74,11 @@ def sizing_renderable(d: dict[str, Any]) -> RenderableType:
     facts.add_column()
     per_token = (f"2 x {s['num_layers']} layers x {s['num_kv_heads']} KV heads x {s['head_dim']} "
                  f"head dim x {d['dtype_bytes']} B ({s['dtype']}) = {d['bytes_per_token']:,} B")
+    if d.get("scale_bytes_per_block"):
+        per_token = (f"2 x {s['num_layers']} layers x {s['num_kv_heads']} KV heads x "
+                     f"{s['head_dim']} head dim x 1 B ({s['kv_cache_dtype']} codes) + "
+                     f"{d['scale_bytes_per_block']:,} B of float32 scales per block / "
+                     f"{d['block_size']} tokens, rounded up = {d['bytes_per_token']:,} B")
     for key, value in (
         ("bytes per token", per_token),
         ("bytes per block", f"{d['block_size']} tokens x {d['bytes_per_token']:,} B = "
@@ -130,4 +136,7 @@ def _address_dict(a: Any) -> dict[str, Any]:
     return {"request_id": a.request_id, "sample_index": a.sample_index, "seq_id": a.seq_id,
             "token_index": a.token_index, "logical_block": a.logical_block, "offset": a.offset,
             "physical_block": a.physical_block, "slot": a.slot, "token_bytes": a.token_bytes,
-            "layers": [{"layer": l, "k_byte_offset": k, "v_byte_offset": v} for l, k, v in a.layer_offsets]}
+            "layers": [{"layer": l, "k_byte_offset": k, "v_byte_offset": v} for l, k, v in a.layer_offsets],
+            "scales": None if a.scale_offsets is None else
+            [{"layer": l, "k_scale_byte_offset": k, "v_scale_byte_offset": v}
+             for l, k, v in a.scale_offsets]}

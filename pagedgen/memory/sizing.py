@@ -1,7 +1,8 @@
 """The arithmetic of `pagedgen inspect-memory`: what a KV budget holds for one model.
 
-bytes per token = 2 (K and V) x layers x KV heads x head dim x dtype bytes; a block holds B
-tokens; the pool holds budget // bytes per block blocks. A sequence of L tokens needs
+bytes per token = 2 (K and V) x layers x KV heads x head dim x dtype bytes (an 8-bit
+kv_cache_dtype: 1-byte codes plus its share of the block's float32 scales, 2 x layers x KV
+heads x 4 B per block, rounded up to a whole byte per token); a block holds B tokens; the pool holds budget // bytes per block blocks. A sequence of L tokens needs
 ceil(L / B) blocks with paging, but a static contiguous allocator reserves max_model_len slots
 for it, whatever L turns out to be.
 """
@@ -14,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedgen.validation import require_int
-from pagedgen.model.runtime.kv_cache import blocks_for_budget, dtype_bytes, kv_bytes_per_token
+from pagedgen.model.runtime.kv_cache import (blocks_for_budget, dtype_bytes, kv_bytes_per_token,
+                                             kv_format, kv_scale_bytes_per_block)
 
 
 @dataclass(slots=True)
@@ -23,6 +25,7 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(slots=True)
@@ -37,6 +40,7 @@ class PoolSizing:
     pool_bytes: int            # whole blocks only
     pool_tokens: int
     max_model_len: int
+    scale_bytes_per_block: int = 0  # float32 scales of an 8-bit kv_cache_dtype, per block
 
 
 @dataclass(slots=True)
@@ -58,7 +62,11 @@ def pool_sizing(shape: KVShape, block_size: int, max_model_len: int,
         require_int(name, getattr(shape, name))
     require_int("block_size", block_size)
     require_int("max_model_len", max_model_len)
-    per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype)
+    per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype,
+                                   shape.kv_cache_dtype, block_size)
+    fmt = kv_format(shape.kv_cache_dtype)
+    element_bytes = dtype_bytes(shape.dtype) if fmt is None else fmt.storage.itemsize
+    scale_bytes = 0 if fmt is None else kv_scale_bytes_per_block(shape.num_layers, shape.num_kv_heads)
     per_block = per_token * block_size
     if num_blocks is None:
         require_int("kv_memory", kv_memory_bytes)
@@ -66,8 +74,9 @@ def pool_sizing(shape: KVShape, block_size: int, max_model_len: int,
     else:
         require_int("num_blocks", num_blocks)
     budget = kv_memory_bytes if kv_memory_bytes is not None else num_blocks * per_block
-    return PoolSizing(shape, dtype_bytes(shape.dtype), per_token, block_size, per_block, num_blocks,
-                      budget, num_blocks * per_block, num_blocks * block_size, max_model_len)
+    return PoolSizing(shape, element_bytes, per_token, block_size, per_block, num_blocks,
+                      budget, num_blocks * per_block, num_blocks * block_size, max_model_len,
+                      scale_bytes)
 
 
 def sequence_fit(sizing: PoolSizing, seq_len: int) -> SequenceFit:

@@ -9,7 +9,10 @@ from pathlib import Path
 
 import torch
 
-from pagedgen.kernels.kv_quant import SCALE_DTYPE, kv_format
+from pagedgen.kernels.kv_quant import KV_CACHE_DTYPES, SCALE_DTYPE, kv_format
+
+__all__ = ["KV_CACHE_DTYPES", "allocate_kv_cache", "allocate_kv_scales", "kv_bytes_per_token",
+           "kv_format", "kv_scale_bytes_per_block", "kv_storage_dtype", "resolve_num_blocks"]
 
 # Without an explicit size the pool takes this share of the memory that is free *after* the
 # weights are loaded. CPU memory is shared with the OS and other processes, so it is smaller.
