@@ -36,6 +36,10 @@ _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
                               [ctypes.c_int64, ctypes.c_void_p,
                                ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_float] +
                               [ctypes.c_int] * 2,
+    "paged_decode_attention_q8": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 +
+                                 [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] +
+                                 [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5 + [ctypes.c_float] +
+                                 [ctypes.c_int] * 2,
     "store_kv_rows": [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 +
                      [ctypes.c_int64] * 3,
     "amx_available": [],
@@ -142,6 +146,39 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     status = library.paged_decode_attention(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(),
+        block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads,
+        k_cache.shape[2], head_dim, k_cache.shape[1], scale,
+        int(query.dtype == torch.bfloat16), torch.get_num_threads())
+    return status == 0
+
+
+_KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+
+
+def decode_attention_q8(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        k_scales: torch.Tensor, v_scales: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                        out: torch.Tensor) -> bool:
+    """decode_attention over an 8-bit pool (kernels/kv_quant.py): k_cache/v_cache hold int8 or
+    float8 codes [N, B, H_kv, D], k_scales/v_scales contiguous float32 [N, H_kv]; query and out
+    float32 or bfloat16. False (out untouched) where it does not apply."""
+    library = load()
+    codes = _KV_CODES.get(k_cache.dtype)
+    if library is None or codes is None or v_cache.dtype != k_cache.dtype:
+        return False
+    if not (query.dtype in (torch.float32, torch.bfloat16) and out.dtype == query.dtype
+            and _rows_strided(query) and query.is_cpu and out.is_cpu and out.is_contiguous()):
+        return False
+    if not all(t.is_cpu and t.is_contiguous() for t in (k_cache, v_cache, k_scales, v_scales,
+                                                       block_tables, seq_lens)):
+        return False
+    if not (k_scales.dtype == v_scales.dtype == torch.float32
+            and block_tables.dtype == seq_lens.dtype == torch.int64):
+        return False
+    num_seqs, num_q_heads, head_dim = query.shape
+    status = library.paged_decode_attention_q8(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_scales.data_ptr(), v_scales.data_ptr(), codes, block_tables.data_ptr(),
         block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads,
         k_cache.shape[2], head_dim, k_cache.shape[1], scale,
         int(query.dtype == torch.bfloat16), torch.get_num_threads())

@@ -161,9 +161,10 @@ class QuantizedKV:
 
 
 def _attend_quantized(query, kv: QuantizedKV, plan: AttentionPlan, scale, out) -> None:
-    """The gather + SDPA path over dequantized blocks (no native kernel reads codes yet)."""
+    """Decodes: the native kernel reads the codes in place (half the bytes of bf16); else, and
+    for prefill chunks, gather + dequantize + SDPA."""
     group = plan.decode
-    if group is not None:
+    if group is not None and not _attend_decodes_native(query, kv, plan, scale, out):
         q = query.index_select(0, group.rows).unsqueeze(2)  # [S_d, H_q, 1, D]
         k, v = kv.gather(group.blocks, group.rows.numel(), query.dtype)
         attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale,
@@ -173,6 +174,19 @@ def _attend_quantized(query, kv: QuantizedKV, plan: AttentionPlan, scale, out) -
         q = query[chunk.begin:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H_q, q_len, D]
         k, v = kv.gather(chunk.blocks, 1, query.dtype)
         out[chunk.begin:chunk.end] = _sdpa_prefill(q, k, v, chunk, scale)
+
+
+def _attend_decodes_native(query, kv: QuantizedKV, plan: AttentionPlan, scale, out) -> bool:
+    group = plan.decode
+    whole = not plan.prefills  # a pure decode step: its rows are 0..S-1, in order
+    q = query if whole else query.index_select(0, group.rows)
+    attended = out if whole else plan.buffer("decode_out", tuple(q.shape), q)
+    if not native.decode_attention_q8(q, kv.k_cache, kv.v_cache, kv.k_scales, kv.v_scales,
+                                      group.tables, group.lens, scale, attended):
+        return False
+    if not whole:
+        out.index_copy_(0, group.rows, attended)
+    return True
 
 
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -142,3 +142,46 @@ def test_copy_blocks_moves_codes_of_every_layer(fmt_name):
     torch_ops.copy_blocks(pool, torch.tensor([1, 3]), torch.tensor([4, 0]))
     after = pool.view(torch.uint8)
     assert torch.equal(after[:, :, 4], before[:, :, 1]) and torch.equal(after[:, :, 0], before[:, :, 3])
+
+
+def native_or_skip():
+    from pagedgen.kernels import native
+
+    if native.load() is None:
+        pytest.skip("no C compiler: the native kernels are unavailable")
+    return native
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("head_dim,num_q_heads", [(64, 6), (32, 4), (40, 2)])  # 40: generic path
+def test_native_decode_reads_codes_like_the_reference(fmt_name, head_dim, num_q_heads):
+    native = native_or_skip()
+    batch = make_paged_batch([1, 16, 17, 47, 100], [1] * 5, num_q_heads=num_q_heads, num_kv_heads=2,
+                             head_dim=head_dim, block_size=16, seed=head_dim)
+    # Magnitudes over six decades: fp8 subnormal codes must decode exactly too.
+    spread = 10.0 ** (-6 * torch.rand(batch.k_cache.shape, generator=torch.Generator().manual_seed(9)))
+    k, v, ks, vs = quantize_pool(batch.k_cache * spread, batch.v_cache * spread, fmt_name)
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        query = batch.query.to(dtype)
+        out = torch.empty_like(query)
+        assert native.decode_attention_q8(query, k, v, ks, vs, batch.block_tables.long(),
+                                          batch.seq_lens.long(), SCALE, out)
+        expected = reference.paged_attention(query.float(), dequantized(k, ks), dequantized(v, vs),
+                                             batch.block_tables, batch.seq_lens,
+                                             batch.query_start_loc, SCALE)
+        torch.testing.assert_close(out.float(), expected, atol=atol, rtol=atol)
+
+
+def test_decodes_without_the_native_kernel_take_the_gather_path(monkeypatch):
+    from pagedgen.kernels import native
+
+    seq_lens, q_lens = mixed_lens(16)
+    batch = make_paged_batch(seq_lens, q_lens, num_q_heads=4, num_kv_heads=2, head_dim=32,
+                             block_size=16, seed=6)
+    k, v, ks, vs = quantize_pool(batch.k_cache, batch.v_cache, "fp8_e4m3")
+    args = (batch.query, k, v, batch.block_tables, batch.seq_lens, batch.query_start_loc, SCALE)
+    monkeypatch.setattr(native, "decode_attention_q8", lambda *a: False)
+    out = torch_ops.paged_attention(*args, k_scales=ks, v_scales=vs)
+    expected = reference.paged_attention(batch.query, dequantized(k, ks), dequantized(v, vs),
+                                         *args[3:])
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
