@@ -67,3 +67,26 @@ def test_token_and_scale_addresses_point_at_the_pool_bytes(tmp_path):
     shown = cli("inspect-memory", "--report", str(path), "--request", "r", "--token", "13")
     assert shown.exit_code == 0, shown.output
     assert "K scales offset" in shown.stdout and "kv_scales[L, 2, N=16, H_kv]" in shown.stdout
+
+
+def test_run_and_profile_take_the_flag_and_the_yaml_key(tmp_path):
+    folder = str(tiny_model_dir("llama"))
+    config = tmp_path / "tiny.yaml"
+    config.write_text(f"model: {folder}\ndtype: float32\nnum_blocks: 32\nthreads: 1\n"
+                      "kv_cache_dtype: int8\nsampling:\n  max_tokens: 4\n  temperature: 0\n")
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a = [", "n": 2}) + "\n")
+    from_yaml = cli("run", str(prompts), "-c", str(config))
+    assert from_yaml.exit_code == 0, from_yaml.output
+    report = json.loads((tmp_path / "in.completions.report" / "memory_report.json").read_text())
+    assert report["pool"]["kv_cache_dtype"] == "int8"
+    assert "int8 + float32 scale" in from_yaml.stderr  # the pool table of the terminal summary
+    out = tmp_path / "profile.json"
+    profiled = cli("profile", "--model", folder, "--dtype", "float32", "--threads", "1",
+                   "--kv-cache-dtype", "fp8_e5m2", "--num-blocks", "16", "--num-requests", "2",
+                   "--prompt-len", "4..8", "--max-tokens", "2..3", "--json", str(out))
+    assert profiled.exit_code == 0, profiled.output
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["kv_cache_dtype"] == "fp8_e5m2" and row["bytes_per_token"] == 130
+    bad = cli("run", str(prompts), "-c", str(config), "--kv-cache-dtype", "fp16")
+    assert bad.exit_code == 2 and "--kv-cache-dtype" in bad.output
