@@ -211,10 +211,15 @@ int decode_attention_supported(const DecodeAttention *a) {
     return a->head_dim <= MAX_DIM && a->q_stride % a->head_dim == 0;
 }
 
-/* The AVX-512 BF16 kernel where it applies, else the portable loop. */
+/* The AVX-512 BF16 kernel (bf16 pools) or the AVX-512 8-bit one where they apply, else the
+ * portable loop. */
 void decode_attention_team(const DecodeAttention *a, int *failed) {
     if (!a->kv_codes && decode_attention_bf16_supported(a)) {
         decode_attention_bf16_team(a, failed);
+        return;
+    }
+    if (a->kv_codes && decode_attention_q8_avx512_supported(a)) {
+        decode_attention_q8_avx512_team(a, failed);
         return;
     }
     int64_t longest = 1;

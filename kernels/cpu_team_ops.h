@@ -45,6 +45,9 @@ int decode_attention_supported(const DecodeAttention *args);
 /* *failed is set (never cleared) when a thread could not allocate its scratch. */
 void decode_attention_team(const DecodeAttention *args, int *failed);
 int decode_attention_bf16_supported(const DecodeAttention *args);
+/* cpu_decode_attention_q8.c: 8-bit pools on AVX-512 (kv_codes 1..3, block_size % 16 == 0). */
+int decode_attention_q8_avx512_supported(const DecodeAttention *args);
+void decode_attention_q8_avx512_team(const DecodeAttention *args, int *failed);
 void decode_attention_bf16_team(const DecodeAttention *args, int *failed);
 
 #endif

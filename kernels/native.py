@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_decode_attention.c", "cpu_decode_attention_bf16.c", "cpu_fused_ops.c",
+           for name in ("cpu_decode_attention.c", "cpu_decode_attention_bf16.c",
+                        "cpu_decode_attention_q8.c", "cpu_fused_ops.c",
                         "cpu_store_kv.c", "cpu_gemm_amx.c", "cpu_decode_step.c",
                         "cpu_prefill_attention_amx.c")]
 HEADERS = [Path(__file__).with_name(name)  # part of the cache key
