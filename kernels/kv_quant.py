@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
+
 __all__ = ["KV_CACHE_DTYPES", "KVFormat", "copy_block_scales", "dequantize", "error_bound",
            "format_of", "gather_dequantized", "kv_format", "quantize", "store_kv_quantized"]
 
@@ -99,6 +101,11 @@ def store_kv_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
         raise ValueError(f"slot_mapping has a slot past the cache's {capacity} slots")
     blocks, offsets = slots // block_size, slots % block_size
     touched, which = torch.unique(blocks, return_inverse=True)
+    # A decode step (one token per block) on CPU: the C store does the same per block.
+    if (touched.numel() == slots.numel() and slots.numel() == slot_mapping.numel()
+            and native.store_kv_q8(key, value, k_cache, v_cache, k_scales, v_scales,
+                                   slot_mapping)):
+        return
     # A write at offset 0 opens a block: whatever it held before belongs to a previous owner.
     fresh = torch.zeros(touched.numel(), dtype=torch.bool, device=slots.device)
     fresh[which[offsets == 0]] = True

@@ -185,3 +185,24 @@ def test_decodes_without_the_native_kernel_take_the_gather_path(monkeypatch):
     expected = reference.paged_attention(batch.query, dequantized(k, ks), dequantized(v, vs),
                                          *args[3:])
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_store_is_bit_identical_to_the_torch_store(fmt_name, dtype, monkeypatch):
+    """Decode steps (one token per block) go to the C store; it must write the same codes and
+    scales as the torch path, re-quantizations and fp8 subnormals included."""
+    native = native_or_skip()
+    results = []
+    for use_native in (True, False):
+        if not use_native:
+            monkeypatch.setattr(native, "store_kv_q8", lambda *a: False)
+        k, v, ks, vs = empty_pool(fmt_name, 6, 8, 2, 16)
+        gen = torch.Generator().manual_seed(1)
+        for t in range(8):  # growing magnitudes over six decades: scales grow, codes re-quantize
+            x = (torch.randn(3, 2, 16, generator=gen) * (1 + t)
+                 * 10.0 ** (-6 * torch.rand(3, 2, 16, generator=gen))).to(dtype)
+            store_kv_quantized(x, x * 0.5, k, v, torch.tensor([t, 16 + t, 40 + t]), ks, vs)
+        results.append((k.view(torch.uint8), v.view(torch.uint8), ks, vs))
+    for native_out, torch_out in zip(*results):
+        assert torch.equal(native_out, torch_out)
