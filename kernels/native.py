@@ -260,11 +260,13 @@ def store_kv_q8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     caller checks). key/value float32 or bf16 [T, H_kv, D] (rows may be strided); codes and
     scales contiguous on CPU. False (nothing written) where it does not apply; ValueError for
     a slot past the cache."""
-    library = load()
     codes = _KV_CODES.get(k_cache.dtype)
-    if library is None or codes is None or key.shape != value.shape or key.dtype != value.dtype:
-        return False
+    if not k_cache.is_cpu or codes is None or key.shape != value.shape or key.dtype != value.dtype:
+        return False  # checked before load(): a CUDA pool never compiles the CPU library
     if key.dtype not in (torch.float32, torch.bfloat16) or slot_mapping.dtype != torch.int64:
+        return False
+    library = load()
+    if library is None:
         return False
     tensors = (key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
     if not (all(t.is_cpu for t in tensors) and _rows_strided(key) and _rows_strided(value)

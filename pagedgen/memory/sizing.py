@@ -2,9 +2,10 @@
 
 bytes per token = 2 (K and V) x layers x KV heads x head dim x dtype bytes (an 8-bit
 kv_cache_dtype: 1-byte codes plus its share of the block's float32 scales, 2 x layers x KV
-heads x 4 B per block, rounded up to a whole byte per token); a block holds B tokens; the pool holds budget // bytes per block blocks. A sequence of L tokens needs
-ceil(L / B) blocks with paging, but a static contiguous allocator reserves max_model_len slots
-for it, whatever L turns out to be.
+heads x 4 B per block, rounded up to a whole byte per token); a block holds B tokens; the
+pool holds budget // bytes per block blocks. A sequence of L tokens needs ceil(L / B) blocks
+with paging, but a static contiguous allocator reserves max_model_len slots for it, whatever L
+turns out to be.
 """
 
 from __future__ import annotations

@@ -52,8 +52,9 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        scales = 0 if self.kv_scales is None else self.kv_scales.numel() * 4
-        return self.kv_cache.numel() * self.kv_cache.element_size() + scales
+        scales = self.kv_scales
+        scale_bytes = 0 if scales is None else scales.numel() * scales.element_size()
+        return self.kv_cache.numel() * self.kv_cache.element_size() + scale_bytes
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledChunk], copies: list[tuple[int, int]]) -> torch.Tensor:
