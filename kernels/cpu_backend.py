@@ -9,12 +9,15 @@ Computation stays in the input dtype (SDPA accumulates in float32 internally).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from . import native
 from .attention_plan import AttentionPlan, PrefillChunk, plan_attention
 from .checks import check_attention_args, check_copy_args, check_plan_fits, check_store_args
+from .kv_quant import gather_dequantized, store_kv_quantized
 
 # The model layers' other CPU fast paths come through here too, so that kernels/native.py stays
 # private to this package. Each returns None where it does not apply (another device or dtype,
@@ -37,9 +40,18 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> None:
-    """Write K/V of token t into slot slot_mapping[t]; slot -1 skips the token."""
+    """Write K/V of token t into slot slot_mapping[t]; slot -1 skips the token.
+
+    With k_scales/v_scales ([N, H_kv] float32), the caches hold 8-bit codes (kv_quant.py).
+    """
     check_store_args(key, value, k_cache, v_cache, slot_mapping)
+    if k_scales is not None:
+        store_kv_quantized(key, value, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+        return
     if native.store_kv(key, value, k_cache, v_cache, slot_mapping):
         return
     slots = slot_mapping.long()
@@ -65,17 +77,24 @@ def paged_attention(
     scale: float,
     *,
     plan: AttentionPlan | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention over a flat batch (docs/contracts.md §2).
 
     Pass `plan` (from plan_attention with the same metadata) to skip rebuilding the
     gather indices and masks; the runner builds it once per step for all layers.
+    With k_scales/v_scales the caches are quantized: blocks are dequantized as gathered.
     """
     check_attention_args(query, k_cache, v_cache)
     if plan is None:
         plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     check_plan_fits(plan.block_size, plan.num_tokens, query, k_cache)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous
+    if k_scales is not None:
+        _attend_quantized(query, QuantizedKV(k_cache, v_cache, k_scales, v_scales), plan,
+                          scale, out)
+        return out
     if plan.decode is not None:
         _attend_decodes(query, k_cache, v_cache, plan, scale, out)
     for chunk in plan.prefills:
@@ -121,6 +140,11 @@ def _attend_decodes(query, k_cache, v_cache, plan: AttentionPlan, scale, out) ->
 def _attend_prefill(query, k_cache, v_cache, chunk: PrefillChunk, plan, scale) -> torch.Tensor:
     q = query[chunk.begin:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H_q, q_len, D]
     k, v = _gather_kv(k_cache, v_cache, chunk.blocks, 1, plan)
+    return _sdpa_prefill(q, k, v, chunk, scale)
+
+
+def _sdpa_prefill(q, k, v, chunk: PrefillChunk, scale) -> torch.Tensor:
+    """q [1, H_q, q_len, D] against gathered k/v [1, H_kv, nb * B, D] -> [q_len, H_q, D]."""
     if chunk.mask is None:  # no cached context: keys == queries, the plain causal case
         k, v = k[:, :, :chunk.context_len], v[:, :, :chunk.context_len]
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
@@ -131,9 +155,57 @@ def _attend_prefill(query, k_cache, v_cache, chunk: PrefillChunk, plan, scale) -
     return attended.squeeze(0).transpose(0, 1)
 
 
+@dataclass(slots=True)
+class QuantizedKV:
+    """One layer's quantized caches: codes [N, B, H_kv, D] and scales [N, H_kv]."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scales: torch.Tensor
+    v_scales: torch.Tensor
+
+    def gather(self, blocks: torch.Tensor, num_seqs: int, dtype: torch.dtype):
+        """K and V of the listed blocks, dequantized to `dtype`, as [S, H_kv, nb * B, D]."""
+        def one(cache, scales):
+            values = gather_dequantized(cache, scales, blocks, dtype)
+            return values.view(num_seqs, -1, *cache.shape[2:]).transpose(1, 2)
+        return one(self.k_cache, self.k_scales), one(self.v_cache, self.v_scales)
+
+
+def _attend_quantized(query, kv: QuantizedKV, plan: AttentionPlan, scale, out) -> None:
+    """Decodes: the native kernel reads the codes in place (half the bytes of bf16); else, and
+    for prefill chunks, gather + dequantize + SDPA."""
+    group = plan.decode
+    if group is not None and not _attend_decodes_native(query, kv, plan, scale, out):
+        q = query.index_select(0, group.rows).unsqueeze(2)  # [S_d, H_q, 1, D]
+        k, v = kv.gather(group.blocks, group.rows.numel(), query.dtype)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale,
+                                                  enable_gqa=True)
+        out.index_copy_(0, group.rows, attended.squeeze(2))
+    for chunk in plan.prefills:
+        q = query[chunk.begin:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H_q, q_len, D]
+        k, v = kv.gather(chunk.blocks, 1, query.dtype)
+        out[chunk.begin:chunk.end] = _sdpa_prefill(q, k, v, chunk, scale)
+
+
+def _attend_decodes_native(query, kv: QuantizedKV, plan: AttentionPlan, scale, out) -> bool:
+    group = plan.decode
+    whole = not plan.prefills  # a pure decode step: its rows are 0..S-1, in order
+    q = query if whole else query.index_select(0, group.rows)
+    attended = out if whole else plan.buffer("decode_out", tuple(q.shape), q)
+    if not native.decode_attention_q8(q, kv.k_cache, kv.v_cache, kv.k_scales, kv.v_scales,
+                                      group.tables, group.lens, scale, attended):
+        return False
+    if not whole:
+        out.index_copy_(0, group.rows, attended)
+    return True
+
+
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy every layer's K and V of block src[i] into block dst[i] (copy-on-write)."""
     check_copy_args(kv_cache, src, dst)
     if src.numel() == 0:
         return
+    if kv_cache.dtype.itemsize == 1:  # 8-bit codes: a byte copy (no float8 index_copy_ on CPU)
+        kv_cache = kv_cache.view(torch.uint8)
     kv_cache.index_copy_(2, dst.long(), kv_cache.index_select(2, src.long()))

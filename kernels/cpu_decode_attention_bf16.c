@@ -41,25 +41,6 @@
 #define MAX_GROUP 8 /* query heads per kv head (specialisations below) */
 #define MAX_VECS 8  /* float32 vectors per head row: head_dim 128 */
 
-/* Lane t of the result = sum of the 16 lanes of v[t]. */
-ALWAYS_INLINE __m512 sum16(const __m512 v[CHUNK]) {
-    __m512 pairs[8], quads[4];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
-        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: [a, b, c, d] lane partial sums */
-        __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
-        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 ALWAYS_INLINE __m512 bf16x16_to_f32(const uint16_t *src) {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));

@@ -35,12 +35,19 @@ typedef struct {
     int64_t q_stride, max_blocks; /* q_stride: elements between sequences' query rows */
     int num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, is_bf16;
     float scale;
+    /* 8-bit pools (kernels/kv_quant.py): kv_codes 1 = int8, 2 = fp8 e4m3, 3 = fp8 e5m2 (0: K/V
+     * in the query's dtype); value = code * scales[block * num_kv_heads + kv head]. */
+    const float *k_scales, *v_scales;
+    int kv_codes;
 } DecodeAttention;
 
 int decode_attention_supported(const DecodeAttention *args);
 /* *failed is set (never cleared) when a thread could not allocate its scratch. */
 void decode_attention_team(const DecodeAttention *args, int *failed);
 int decode_attention_bf16_supported(const DecodeAttention *args);
+/* cpu_decode_attention_q8.c: 8-bit pools on AVX-512 (kv_codes 1..3, block_size % 16 == 0). */
+int decode_attention_q8_avx512_supported(const DecodeAttention *args);
+void decode_attention_q8_avx512_team(const DecodeAttention *args, int *failed);
 void decode_attention_bf16_team(const DecodeAttention *args, int *failed);
 
 #endif

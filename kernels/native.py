@@ -27,8 +27,9 @@ import torch
 from . import native_cache
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_decode_attention.c", "cpu_decode_attention_bf16.c", "cpu_fused_ops.c",
-                        "cpu_store_kv.c", "cpu_gemm_amx.c", "cpu_decode_step.c",
+           for name in ("cpu_decode_attention.c", "cpu_decode_attention_bf16.c",
+                        "cpu_decode_attention_q8.c", "cpu_fused_ops.c",
+                        "cpu_store_kv.c", "cpu_store_kv_q8.c", "cpu_gemm_amx.c", "cpu_decode_step.c",
                         "cpu_prefill_attention_amx.c")]
 HEADERS = [Path(__file__).with_name(name)  # part of the cache key
            for name in ("cpu_decode_shapes.h", "cpu_team_ops.h", "cpu_decode_scores_amx.h",
@@ -39,6 +40,12 @@ _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
                               [ctypes.c_int64, ctypes.c_void_p,
                                ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_float] +
                               [ctypes.c_int] * 2,
+    "paged_decode_attention_q8": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 +
+                                 [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] +
+                                 [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5 + [ctypes.c_float] +
+                                 [ctypes.c_int] * 2,
+    "store_kv_q8": [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_int] +
+                   [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5 + [ctypes.c_int],
     "store_kv_rows": [ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 +
                      [ctypes.c_int64] * 3,
     "amx_available": [],
@@ -162,6 +169,39 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return status == 0
 
 
+_KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+
+
+def decode_attention_q8(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        k_scales: torch.Tensor, v_scales: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                        out: torch.Tensor) -> bool:
+    """decode_attention over an 8-bit pool (kernels/kv_quant.py): k_cache/v_cache hold int8 or
+    float8 codes [N, B, H_kv, D], k_scales/v_scales contiguous float32 [N, H_kv]; query and out
+    float32 or bfloat16. False (out untouched) where it does not apply."""
+    library = load()
+    codes = _KV_CODES.get(k_cache.dtype)
+    if library is None or codes is None or v_cache.dtype != k_cache.dtype:
+        return False
+    if not (query.dtype in (torch.float32, torch.bfloat16) and out.dtype == query.dtype
+            and _rows_strided(query) and query.is_cpu and out.is_cpu and out.is_contiguous()):
+        return False
+    if not all(t.is_cpu and t.is_contiguous() for t in (k_cache, v_cache, k_scales, v_scales,
+                                                       block_tables, seq_lens)):
+        return False
+    if not (k_scales.dtype == v_scales.dtype == torch.float32
+            and block_tables.dtype == seq_lens.dtype == torch.int64):
+        return False
+    num_seqs, num_q_heads, head_dim = query.shape
+    status = library.paged_decode_attention_q8(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_scales.data_ptr(), v_scales.data_ptr(), codes, block_tables.data_ptr(),
+        block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads,
+        k_cache.shape[2], head_dim, k_cache.shape[1], scale,
+        int(query.dtype == torch.bfloat16), torch.get_num_threads())
+    return status == 0
+
+
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       blocks: torch.Tensor, context_len: int, scale: float,
                       out: torch.Tensor) -> bool:
@@ -224,6 +264,36 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                                    capacity)
     if status != 0:
         raise ValueError(f"slot_mapping has a slot past the cache's {capacity} slots")
+    return True
+
+
+def store_kv_q8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, k_scales: torch.Tensor, v_scales: torch.Tensor,
+                slot_mapping: torch.Tensor) -> bool:
+    """kv_quant.store_kv_quantized for a decode step: every touched block gets ONE token (the
+    caller checks). key/value float32 or bf16 [T, H_kv, D] (rows may be strided); codes and
+    scales contiguous on CPU. False (nothing written) where it does not apply; ValueError for
+    a slot past the cache."""
+    codes = _KV_CODES.get(k_cache.dtype)
+    if not k_cache.is_cpu or codes is None or key.shape != value.shape or key.dtype != value.dtype:
+        return False  # checked before load(): a CUDA pool never compiles the CPU library
+    if key.dtype not in (torch.float32, torch.bfloat16) or slot_mapping.dtype != torch.int64:
+        return False
+    library = load()
+    if library is None:
+        return False
+    tensors = (key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+    if not (all(t.is_cpu for t in tensors) and _rows_strided(key) and _rows_strided(value)
+            and all(t.is_contiguous() for t in tensors[2:])):
+        return False
+    size, (num_blocks, block_size, heads, dim) = key.element_size(), k_cache.shape
+    status = library.store_kv_q8(key.data_ptr(), key.stride(0) * size, value.data_ptr(),
+                                 value.stride(0) * size, int(key.dtype == torch.bfloat16),
+                                 k_cache.data_ptr(), v_cache.data_ptr(), k_scales.data_ptr(),
+                                 v_scales.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
+                                 heads, dim, block_size, num_blocks * block_size, codes)
+    if status != 0:
+        raise ValueError(f"slot_mapping has a slot past the cache's {num_blocks * block_size} slots")
     return True
 
 

@@ -7,7 +7,9 @@ So K/V of a kv head are read once per tile for every query head that uses them (
 Q @ K^T is a single tl.dot. K/V are read straight from the paged cache through the block
 table, TILE_N tokens (one or several whole blocks) per loop iteration, with an online
 float32 softmax (flash attention). Decodes are tiles with one token: no split over the
-context, which is fine for the batch sizes of offline generation.
+context, which is fine for the batch sizes of offline generation. On a quantized pool
+(kernels/kv_quant.py) K/V are loaded as 8-bit codes and scaled per block and kv head in
+float32 right after the load, so the pool is read at one byte per element.
 """
 from __future__ import annotations
 
@@ -18,12 +20,14 @@ import triton.language as tl
 @triton.jit
 def paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr,  # float32 [N, H_kv] of a quantized pool (unused otherwise)
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel uses exp2
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_kt, stride_kh, stride_kd,  # k_cache and v_cache share strides
     stride_table,
+    stride_scale_block,  # scales are [N, H_kv]; a kv head's scale is at + kv_head (stride 1)
     GROUP: tl.constexpr,  # query heads per kv head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
     BLOCK_Q: tl.constexpr,  # query tokens per tile
@@ -33,6 +37,7 @@ def paged_attention_kernel(
     TILE_N: tl.constexpr,  # keys per loop iteration, a multiple of BLOCK_SIZE
     COMPUTE_FP32: tl.constexpr,  # interpreter: bf16 arithmetic is wrong there, upcast
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs: no silent tf32 on the GPU
+    QUANTIZED: tl.constexpr,  # K/V are 8-bit codes: value = code * scale[block, kv_head]
 ):
     seq, kv_head, q_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -51,7 +56,7 @@ def paged_attention_kernel(
     q_rows = (q_start + token).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh
                 + dims[None, :] * stride_qd, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    if COMPUTE_FP32:
+    if COMPUTE_FP32 or QUANTIZED:
         q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -70,7 +75,11 @@ def paged_attention_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + addr, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + addr, mask=kv_mask, other=0.0)
-        if COMPUTE_FP32:
+        if QUANTIZED:  # one scale per (block, kv head): a vector over the tile's keys
+            scale_at = block_ids.to(tl.int64) * stride_scale_block + kv_head
+            k = k.to(tl.float32) * tl.load(k_scale_ptr + scale_at, mask=key_ok, other=0.0)[:, None]
+            v = v.to(tl.float32) * tl.load(v_scale_ptr + scale_at, mask=key_ok, other=0.0)[:, None]
+        elif COMPUTE_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale

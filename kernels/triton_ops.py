@@ -14,6 +14,7 @@ import triton
 
 from .checks import (check_attention_args, check_copy_args, check_lengths, check_metadata,
                      check_plan_fits, check_store_args)
+from .kv_quant import store_kv_quantized
 from .triton_attention_kernel import paged_attention_kernel
 from .triton_cache_kernels import copy_blocks_kernel, store_kv_kernel
 
@@ -46,9 +47,17 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor,
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write K/V of token t into slot slot_mapping[t]; slot -1 skips the token."""
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+             k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> None:
+    """Write K/V of token t into slot slot_mapping[t]; slot -1 skips the token.
+
+    A quantized pool (k_scales/v_scales given) is written by kv_quant's torch code on any
+    device: each touched block is re-quantized as a whole, a gather/scatter, not a per-slot store.
+    """
     check_store_args(key, value, k_cache, v_cache, slot_mapping)
+    if k_scales is not None:
+        store_kv_quantized(key, value, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+        return
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -77,7 +86,9 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, *,
-                    plan: TritonAttentionPlan | None = None) -> torch.Tensor:
+                    plan: TritonAttentionPlan | None = None,
+                    k_scales: torch.Tensor | None = None,
+                    v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Causal paged attention over a flat batch (docs/contracts.md §2), reading K/V
     through the block tables. `plan` (plan_attention of the same metadata) saves a sync."""
     check_attention_args(query, k_cache, v_cache)
@@ -91,12 +102,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if plan.max_q_len == 0:
         return out
     _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                      scale, plan.max_q_len, out)
+                      scale, plan.max_q_len, out, k_scales, v_scales)
     return out
 
 
 def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                      scale, max_q_len, out) -> None:
+                      scale, max_q_len, out, k_scales=None, v_scales=None) -> None:
+    quantized = k_scales is not None
+    if quantized and (k_scales.stride() != v_scales.stride() or k_scales.stride(1) != 1):
+        raise ValueError("k_scales and v_scales must be [N, H_kv] rows with the same strides")
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -104,14 +118,18 @@ def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
     block_q = _query_tile(max_q_len, group_pad)
     grid = (block_tables.shape[0], num_kv_heads, triton.cdiv(max_q_len, block_q))
     paged_attention_kernel[grid](
-        query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        query, k_cache, v_cache, out,
+        k_scales if quantized else out, v_scales if quantized else out,  # unread when not
+        block_tables, seq_lens, query_start_loc,
         scale * math.log2(math.e),
         *query.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
+        k_scales.stride(0) if quantized else 0,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, TILE_N=max(block_size, 64),
         COMPUTE_FP32=_INTERPRETED,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32")
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        QUANTIZED=quantized)
 
 
 def _query_tile(max_q_len: int, group_pad: int) -> int:

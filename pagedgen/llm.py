@@ -22,6 +22,7 @@ from pagedgen.memory.report import build_report
 from pagedgen.memory.tracker import MemoryTracker
 from pagedgen.model.device import resolve_device
 from pagedgen.model.loading.loader import load_model
+from pagedgen.model.runtime.kv_cache import kv_format
 from pagedgen.engine.beam_search import BeamSearchParams
 from pagedgen.engine.outputs import BeamSearchOutput, RequestOutput, Usage
 from pagedgen.progress import GenerationProgress
@@ -39,19 +40,23 @@ class LLM:
     max_position_embeddings capped by the pool's capacity), enable_prefix_caching, seed (for
     unseeded requests), threads (torch.set_num_threads; None leaves torch's choice), tokenizer
     (a folder whose tokenizer replaces the model's own; for a GGUF file it must have the file's
-    vocabulary)."""
+    vocabulary), kv_cache_dtype ("auto": the model's dtype; "int8", "fp8_e4m3", "fp8_e5m2":
+    8-bit codes with per-block scales, about half the bytes per token of bf16)."""
 
     def __init__(self, model: str | None = None, *, dtype: str | torch.dtype | None = None,
                  device: str | None = None, block_size: int = 16, num_blocks: int | None = None,
                  num_gpu_blocks: int | None = None, kv_memory: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 seed: int = 0, threads: int | None = None, tokenizer: str | None = None) -> None:
+                 seed: int = 0, threads: int | None = None, tokenizer: str | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         _set_threads(threads)
         # Checked before the (slow) model load, so that a typo fails at once.
         config = EngineConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
                               enable_prefix_caching, seed, block_size,
-                              _one_block_count(num_blocks, num_gpu_blocks), kv_memory)
+                              _one_block_count(num_blocks, num_gpu_blocks), kv_memory,
+                              kv_cache_dtype)
+        kv_format(kv_cache_dtype)  # a bad name fails before the (slow) model load
         self.loaded = load_model(model, None if dtype == "auto" else dtype, resolve_device(device),
                                  tokenizer)
         self.engine = build_engine(self.loaded, config)  # engine.config: max_model_len resolved
@@ -64,10 +69,10 @@ class LLM:
 
     def _build_tracker(self, block_size: int) -> MemoryTracker:
         cfg, dtype = self.loaded.config, self.runner.dtype
-        return MemoryTracker(block_size, self.runner.num_blocks, cfg.kv_bytes_per_token(dtype),
+        return MemoryTracker(block_size, self.runner.num_blocks, self.runner.kv_bytes_per_token,
                              str(dtype).removeprefix("torch."), self.max_model_len,
                              num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                             head_dim=cfg.head_dim)
+                             head_dim=cfg.head_dim, kv_cache_dtype=self.runner.kv_cache_dtype)
 
     def get_tokenizer(self) -> Any:
         return self.loaded.tokenizer

@@ -45,7 +45,8 @@ def test_summary_by_hand(report):
     s = report["summary"]
     assert report["pool"] | {"layout": None} == {
         "block_size": 4, "num_blocks": 10, "bytes_per_token": 100, "bytes_per_block": 400,
-        "total_bytes": 4000, "total_tokens": 40, "dtype": "float32", "max_model_len": 16, "layout": None}
+        "total_bytes": 4000, "total_tokens": 40, "dtype": "float32", "max_model_len": 16, "layout": None,
+        "kv_cache_dtype": "auto"}
     assert report["pool"]["layout"] == {"num_layers": 1, "num_kv_heads": 1, "head_dim": 25, "dtype_bytes": 2}
     assert (s["steps"], s["peak_step"], s["peak_blocks_used"], s["peak_bytes"]) == (3, 0, 3, 1200)
     assert s["kv_utilization_at_peak"] == pytest.approx(7 / 12)

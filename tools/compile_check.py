@@ -36,13 +36,26 @@ def attention_jobs(quick: bool):
     dtypes = (("bf16", "tf32"),) if quick else (("bf16", "tf32"), ("fp32", "ieee"))
     for dtype, precision in dtypes:
         types = dict.fromkeys(ATTENTION_POINTERS, f"*{dtype}")
-        types.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
-                     qk_scale="fp32")
         for group, group_pad, block_q, head_dim in ATTENTION_SHAPES:
             constants = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
                              HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16,
                              TILE_N=64, COMPUTE_FP32=False, DOT_PRECISION=precision)
-            yield paged_attention_kernel, types, constants
+            yield paged_attention_kernel, _attention_types(types), {**constants, "QUANTIZED": False}
+    # Quantized pools (bf16 queries on 8-bit codes); --quick: the decode tile only.
+    for codes in ("i8", "fp8e4nv", "fp8e5"):
+        types = dict(q_ptr="*bf16", out_ptr="*bf16", k_cache_ptr=f"*{codes}",
+                     v_cache_ptr=f"*{codes}")
+        for group, group_pad, block_q, head_dim in ATTENTION_SHAPES[:1 if quick else 3]:
+            constants = dict(GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
+                             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16, TILE_N=64,
+                             COMPUTE_FP32=False, DOT_PRECISION="tf32", QUANTIZED=True)
+            yield paged_attention_kernel, _attention_types(types), constants
+
+
+def _attention_types(pointers: dict[str, str]) -> dict[str, str]:
+    return {**pointers, "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+            "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+            "qk_scale": "fp32"}
 
 
 def cache_jobs():

@@ -33,7 +33,8 @@ def _main() -> None:
 
 
 # Flag -> config key; None means "not given", so the config file's value stands.
-_ENGINE_FLAGS = {"--model": "model", "--dtype": "dtype", "--device": "device",
+_ENGINE_FLAGS = {"--model": "model", "--dtype": "dtype", "--kv-cache-dtype": "kv_cache_dtype",
+                 "--device": "device",
                  "--block-size": "block_size", "--kv-memory": "kv_memory",
                  "--num-blocks": "num_blocks", "--max-num-seqs": "max_num_seqs",
                  "--max-num-batched-tokens": "max_num_batched_tokens",
@@ -160,6 +161,8 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or report summary."),
     model: Optional[str] = typer.Option(None, "--model", help="HF folder, .gguf file, or 'default'."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16, float16."),
+    kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype",
+                                                 help="auto, int8, fp8_e4m3, fp8_e5m2 (8-bit KV pool)."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
     block_size: Optional[int] = typer.Option(None, "--block-size"),
     kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="KV pool size, e.g. 2GiB."),
@@ -204,6 +207,7 @@ def run(
              "--report-dir": report_dir, "--ordered": ordered, "--max-line-bytes": max_line_bytes,
              "--ray": use_ray, "--address": address, "--replicas": replicas}
     argv, job = _command_line(ctx), None
+    flags["--kv-cache-dtype"] = kv_cache_dtype
     try:
         run_config = load_config(config, _overrides(flags, settings))
         paths = resolve_paths(prompts, run_config, write_report=not no_report)
@@ -248,6 +252,8 @@ def profile(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     model: Optional[str] = typer.Option(None, "--model", help="HF folder, .gguf file, or 'default'."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16, float16."),
+    kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype",
+                                                 help="auto, int8, fp8_e4m3, fp8_e5m2 (8-bit KV pool)."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
     kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="KV pool size, e.g. 2GiB."),
     num_blocks: Optional[int] = typer.Option(None, "--num-blocks", help="Pool size at the first block size."),
@@ -267,6 +273,7 @@ def profile(
              "--num-blocks": num_blocks, "--max-num-seqs": max_num_seqs,
              "--max-num-batched-tokens": max_num_batched_tokens, "--max-model-len": max_model_len,
              "--seed": seed, "--threads": threads}
+    flags["--kv-cache-dtype"] = kv_cache_dtype
     try:
         run_config = load_config(config, _overrides(flags, []))
         spec = WorkloadSpec(str(prompts) if prompts else None, num_requests,
@@ -292,6 +299,8 @@ def inspect_memory(
     seq_len: list[int] = typer.Option([], "--seq-len", help="Sequence length to fit (repeatable)."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16, float16."),
+    kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype",
+                                                 help="auto, int8, fp8_e4m3, fp8_e5m2 (8-bit KV pool)."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
     report: Optional[Path] = typer.Option(None, "--report", help="A memory_report.json: map its pool."),
     step: Optional[int] = typer.Option(None, "--step", help="A recorded step [default: the peak]."),
@@ -315,6 +324,7 @@ def inspect_memory(
             flags = {"--model": model, "--dtype": dtype, "--device": device, "--kv-memory": kv_memory,
                      "--num-blocks": num_blocks, "--block-size": block_size,
                      "--max-model-len": max_model_len}
+            flags["--kv-cache-dtype"] = kv_cache_dtype
             data = sizing_for_config(load_config(config, _overrides(flags, [])), seq_len)
             renderable = sizing_renderable(data)
     except (ConfigError, ValueError, OSError) as exc:

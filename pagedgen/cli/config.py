@@ -49,6 +49,7 @@ class OutputConfig:
 class RunConfig:
     model: str | None = None         # HF folder, .gguf file, or None for the built-in default
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"     # "auto" (the model's dtype), "int8", "fp8_e4m3", "fp8_e5m2"
     device: str = "auto"             # "auto" = CUDA when available, else CPU
     block_size: int = _ENGINE.block_size
     kv_memory: int | None = None     # bytes for the KV pool ("2GiB" in YAML); both None: the
@@ -95,6 +96,15 @@ def _dtype(value: Any) -> str:
     return value
 
 
+def _kv_cache_dtype(value: Any) -> str:
+    from pagedgen.model.runtime.kv_cache import KV_CACHE_DTYPES
+
+    value = "auto" if value is None else value
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+    return value
+
+
 def _device(value: Any) -> str:
     value = "auto" if value is None else value
     if not isinstance(value, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
@@ -120,6 +130,7 @@ def parse_size(value: Any) -> int:
 _ENGINE_CHECKS: dict[str, Callable[[Any], Any]] = {
     "model": _model,
     "dtype": _dtype,
+    "kv_cache_dtype": _kv_cache_dtype,
     "device": _device,
     "block_size": int_at_least(1),
     "kv_memory": _optional(parse_size),

@@ -1,7 +1,8 @@
 """`pagedgen inspect-memory` without --report: what a KV budget holds for one model.
 
-bytes per token = 2 (K and V) x layers x KV heads x head dim x dtype bytes; a block holds B
-tokens; the pool holds budget // bytes per block blocks. A sequence of L tokens needs
+bytes per token = 2 (K and V) x layers x KV heads x head dim x dtype bytes (an 8-bit
+kv_cache_dtype: 1-byte codes plus its share of the block's float32 scales, 2 x layers x KV
+heads x 4 B per block, rounded up to a whole byte per token); a block holds B tokens; the pool holds budget // bytes per block blocks. A sequence of L tokens needs
 ceil(L / B) blocks with paging, but a static contiguous allocator reserves max_model_len slots
 for it, whatever L turns out to be. The pool is sized by the runner's own rule
 (model/runtime/kv_cache.py: size_kv_pool), defaults included; nothing is allocated.
@@ -22,7 +23,8 @@ from pagedgen.memory.render import human_bytes
 from pagedgen.model.device import resolve_device
 from pagedgen.model.dtypes import resolve_dtype
 from pagedgen.model.loading.source import locate_model, read_model_config
-from pagedgen.model.runtime.kv_cache import dtype_bytes, kv_bytes_per_token, size_kv_pool
+from pagedgen.model.runtime.kv_cache import (dtype_bytes, kv_bytes_per_token, kv_format,
+                                             kv_scale_bytes_per_block, size_kv_pool)
 from pagedgen.validation import require_int
 
 DEFAULT_SEQ_LENS = (256, 1024, 4096)
@@ -34,6 +36,7 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(slots=True)
@@ -49,6 +52,7 @@ class PoolSizing:
     pool_tokens: int
     max_model_len: int
     budget_source: str         # where the size came from (a flag, the config, the default)
+    scale_bytes_per_block: int = 0  # float32 scales of an 8-bit kv_cache_dtype, per block
 
 
 @dataclass(slots=True)
@@ -68,13 +72,17 @@ def pool_sizing(shape: KVShape, block_size: int, max_model_len: int,
     for name in ("num_layers", "num_kv_heads", "head_dim"):
         require_int(name, getattr(shape, name))
     require_int("max_model_len", max_model_len)
-    per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype)
+    per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype,
+                                   shape.kv_cache_dtype, block_size)
+    fmt = kv_format(shape.kv_cache_dtype)
+    element_bytes = dtype_bytes(shape.dtype) if fmt is None else fmt.storage.itemsize
+    scale_bytes = 0 if fmt is None else kv_scale_bytes_per_block(shape.num_layers, shape.num_kv_heads)
     pool = size_kv_pool(bytes_per_token=per_token, block_size=block_size, device=device,
                         num_blocks=num_blocks, kv_memory_bytes=kv_memory_bytes, check_available=False)
     per_block = per_token * block_size
-    return PoolSizing(shape, dtype_bytes(shape.dtype), per_token, block_size, per_block, pool.num_blocks,
+    return PoolSizing(shape, element_bytes, per_token, block_size, per_block, pool.num_blocks,
                       pool.budget_bytes, pool.num_blocks * per_block, pool.num_blocks * block_size,
-                      max_model_len, pool.source)
+                      max_model_len, pool.source, scale_bytes)
 
 
 def sequence_fit(sizing: PoolSizing, seq_len: int) -> SequenceFit:
@@ -119,7 +127,8 @@ def sizing_for_config(config: Any, seq_lens: Sequence[int] = ()) -> dict[str, An
     device = resolve_device(config.device)
     shape = read_model_shape(config.model)
     dtype = str(resolve_dtype(None if config.dtype == "auto" else config.dtype, device)).removeprefix("torch.")
-    kv = KVShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
+    kv = KVShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype,
+                 config.kv_cache_dtype)
     size = dict(kv_memory_bytes=config.kv_memory, num_blocks=config.num_blocks, device=device)
     probe = pool_sizing(kv, config.block_size, shape.max_position_embeddings, **size)
     max_model_len = resolve_max_model_len(config.max_model_len, shape.max_position_embeddings,
@@ -136,6 +145,11 @@ def sizing_renderable(d: dict[str, Any]) -> RenderableType:
     facts.add_column()
     per_token = (f"2 x {s['num_layers']} layers x {s['num_kv_heads']} KV heads x {s['head_dim']} "
                  f"head dim x {d['dtype_bytes']} B ({s['dtype']}) = {d['bytes_per_token']:,} B")
+    if d.get("scale_bytes_per_block"):
+        per_token = (f"2 x {s['num_layers']} layers x {s['num_kv_heads']} KV heads x "
+                     f"{s['head_dim']} head dim x 1 B ({s['kv_cache_dtype']} codes) + "
+                     f"{d['scale_bytes_per_block']:,} B of float32 scales per block / "
+                     f"{d['block_size']} tokens, rounded up = {d['bytes_per_token']:,} B")
     for key, value in (
         ("bytes per token", per_token),
         ("bytes per block", f"{d['block_size']} tokens x {d['bytes_per_token']:,} B = "

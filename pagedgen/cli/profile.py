@@ -161,6 +161,8 @@ class ProfileRow:
     peak_concurrent_sequences: int
     preemptions: int
     failed_requests: int
+    kv_cache_dtype: str = "auto"
+    bytes_per_token: int = 0           # of the KV pool, scales included
 
 
 def _generate(llm: Any, items: Sequence[WorkItem], on_done: Callable[[], None]) -> list[Any]:
@@ -196,7 +198,8 @@ def profile_llm(llm: Any, items: Sequence[WorkItem], on_done: Callable[[], None]
         stats["generated_tokens"] / wall, stats["prompt_tokens_computed"] / wall, timer.mean_ms(),
         summary["peak_blocks_used"], summary["kv_utilization_at_peak"],
         summary["internal_fragmentation_at_peak"], summary["peak_concurrent_sequences"],
-        stats["preemptions"], sum(1 for o in outputs if o.error))
+        stats["preemptions"], sum(1 for o in outputs if o.error),
+        kv_cache_dtype=runner.kv_cache_dtype, bytes_per_token=runner.kv_bytes_per_token)
 
 
 # --- several block sizes, side by side ---
@@ -268,6 +271,8 @@ def profile_table(result: dict[str, Any]) -> Any:
         table.add_row(label, *(fmt(r) for r in rows))
 
     add("blocks in pool", lambda r: f"{r['num_blocks']:,} ({r['pool_bytes'] / 2**20:,.1f} MiB)")
+    add("KV cache dtype", lambda r: f"{r.get('kv_cache_dtype', 'auto')} "
+                                    f"({r.get('bytes_per_token', 0):,} B/token)")
     add("generated tokens/s", lambda r: f"{r['generated_tokens_per_s']:,.1f}")
     add("prompt tokens/s", lambda r: f"{r['prompt_tokens_per_s']:,.1f}")
     add("wall time", lambda r: f"{r['wall_s']:.2f} s ({r['steps']} steps)")

@@ -337,7 +337,8 @@ class Job:
 def build_llm(config: RunConfig) -> LLM:
     from pagedgen.llm import LLM
 
-    return LLM(config.model, dtype=config.dtype, device=config.device,
+    return LLM(config.model, dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
+               device=config.device,
                block_size=config.block_size, num_blocks=config.num_blocks,
                kv_memory=config.kv_memory, max_num_seqs=config.max_num_seqs,
                max_num_batched_tokens=config.max_num_batched_tokens,

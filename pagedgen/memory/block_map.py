@@ -67,6 +67,9 @@ class TokenAddress:
     slot: int                  # physical_block * B + offset
     token_bytes: int           # bytes of one token's K (or V) in one layer: H_kv x D x dtype bytes
     layer_offsets: list[tuple[int, int, int]]   # (layer, K byte offset, V byte offset)
+    # 8-bit pools: (layer, K scales byte offset, V scales byte offset) in kv_scales[L, 2, N, H_kv]
+    # float32 (the token's block's H_kv scales, head h at + 4h); None for unquantized pools.
+    scale_offsets: list[tuple[int, int, int]] | None = None
 
 
 def recorded_tables(report: dict[str, Any], step: int | None = None) -> dict[str, Any]:
@@ -146,4 +149,20 @@ def token_address(report: dict[str, Any], request_id: str, token_index: int,
 
     layers = [(layer, byte_offset(layer, 0), byte_offset(layer, 1)) for layer in range(layout["num_layers"])]
     return TokenAddress(request_id, sample_index, seq["seq_id"], token_index, logical, offset,
-                        physical, physical * block_size + offset, token_bytes, layers)
+                        physical, physical * block_size + offset, token_bytes, layers,
+                        _scale_offsets(layout, num_blocks, physical))
+
+
+def _scale_offsets(layout: dict[str, Any], num_blocks: int,
+                   physical: int) -> list[tuple[int, int, int]] | None:
+    """Byte offsets of a block's scales in kv_scales [L, 2, N, H_kv] (8-bit pools only)."""
+    scale_bytes = layout.get("scale_bytes")
+    if not scale_bytes:
+        return None
+    row = layout["num_kv_heads"] * scale_bytes
+
+    def byte_offset(layer: int, k_or_v: int) -> int:
+        return ((layer * 2 + k_or_v) * num_blocks + physical) * row
+
+    return [(layer, byte_offset(layer, 0), byte_offset(layer, 1))
+            for layer in range(layout["num_layers"])]

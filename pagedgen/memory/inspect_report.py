@@ -55,4 +55,7 @@ def _address_dict(a: Any) -> dict[str, Any]:
     return {"request_id": a.request_id, "sample_index": a.sample_index, "seq_id": a.seq_id,
             "token_index": a.token_index, "logical_block": a.logical_block, "offset": a.offset,
             "physical_block": a.physical_block, "slot": a.slot, "token_bytes": a.token_bytes,
-            "layers": [{"layer": l, "k_byte_offset": k, "v_byte_offset": v} for l, k, v in a.layer_offsets]}
+            "layers": [{"layer": l, "k_byte_offset": k, "v_byte_offset": v} for l, k, v in a.layer_offsets],
+            "scales": None if a.scale_offsets is None else
+            [{"layer": l, "k_scale_byte_offset": k, "v_scale_byte_offset": v}
+             for l, k, v in a.scale_offsets]}

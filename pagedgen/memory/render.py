@@ -47,7 +47,13 @@ def pool_table(pool: dict[str, Any]) -> Table:
         ("bytes per block", human_bytes(pool["bytes_per_block"])),
         ("pool size", f"{human_bytes(pool['total_bytes'])} ({pool['total_tokens']:,} tokens)"),
         ("dtype", pool["dtype"]),
+        ("KV cache dtype", _kv_cache_dtype(pool)),
     ])
+
+
+def _kv_cache_dtype(pool: dict[str, Any]) -> str:
+    name = pool.get("kv_cache_dtype", "auto")
+    return "auto (model dtype)" if name == "auto" else f"{name} + float32 scale per block, KV head"
 
 
 def peak_table(pool: dict[str, Any], s: dict[str, Any]) -> Table:

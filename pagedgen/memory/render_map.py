@@ -140,14 +140,27 @@ def address_table(addr: TokenAddress, block_size: int, num_blocks: int, max_laye
         f"(((layer*2 + kv)*{num_blocks} + {addr.physical_block})*{block_size} + {addr.offset})"
         f" * {addr.token_bytes}\n(kv: 0 = K, 1 = V; {addr.token_bytes} B = H_kv x D x dtype bytes; "
         f"each of K and V spans {addr.token_bytes} contiguous bytes)")
+    if addr.scale_offsets is not None:
+        head.append(f"\nscales: kv_scales[L, 2, N={num_blocks}, H_kv] float32, byte offset = "
+                    f"((layer*2 + kv)*{num_blocks} + {addr.physical_block}) * H_kv * 4 "
+                    f"(+ 4 x kv head): one scale per block and head, shared by its {block_size} tokens")
     table = Table()
-    for name in ("layer", "K byte offset", "V byte offset"):
+    columns = ["layer", "K byte offset", "V byte offset"]
+    if addr.scale_offsets is not None:
+        columns += ["K scales offset", "V scales offset"]
+    for name in columns:
         table.add_column(name, justify="right")
-    layers = addr.layer_offsets
+    scales = addr.scale_offsets or [None] * len(addr.layer_offsets)
+    layers = list(zip(addr.layer_offsets, scales))
     shown = layers if len(layers) <= max_layers else layers[:max_layers - 1] + [None] + layers[-1:]
     for entry in shown:
-        table.add_row(*(("…", "…", "…") if entry is None else (str(entry[0]), f"{entry[1]:,}", f"{entry[2]:,}")))
+        table.add_row(*(["…"] * len(columns) if entry is None else _address_row(*entry)))
     return Group(head, table)
+
+
+def _address_row(codes: tuple[int, int, int], scales: tuple[int, int, int] | None) -> list[str]:
+    row = [str(codes[0]), f"{codes[1]:,}", f"{codes[2]:,}"]
+    return row if scales is None else row + [f"{scales[1]:,}", f"{scales[2]:,}"]
 
 
 def pool_map_renderable(pool_map: PoolMap, width: int = 100, max_rows: int = 40) -> Group:

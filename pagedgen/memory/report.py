@@ -28,6 +28,7 @@ def pool_section(t: MemoryTracker) -> dict[str, Any]:
         "bytes_per_token": t.bytes_per_token, "bytes_per_block": bytes_per_block,
         "total_bytes": bytes_per_block * t.num_blocks, "total_tokens": t.num_blocks * t.block_size,
         "dtype": t.dtype, "max_model_len": t.max_model_len, "layout": t.layout,
+        "kv_cache_dtype": t.kv_cache_dtype,
     }
 
 

@@ -98,6 +98,7 @@ class MemoryTracker:
     num_layers: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    kv_cache_dtype: str = "auto"   # "auto" or an 8-bit format: 1-byte codes + per-block scales
     timeline: SampledSeries[StepSample] = field(init=False)
     table_snapshots: SampledSeries[TableSnapshot] = field(init=False)
     replay: CounterfactualReplay = field(init=False)
@@ -127,7 +128,7 @@ class MemoryTracker:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             require_int(f"MemoryTracker.{name}", getattr(self, name))
         elements = 2 * self.num_layers * self.num_kv_heads * self.head_dim
-        if self.bytes_per_token % elements:
+        if self.kv_cache_dtype == "auto" and self.bytes_per_token % elements:
             raise ValueError(f"MemoryTracker: bytes_per_token={self.bytes_per_token} is not a multiple "
                              f"of 2 x num_layers x num_kv_heads x head_dim = {elements}")
 
@@ -142,8 +143,11 @@ class MemoryTracker:
         if self.num_layers is None:
             return None
         elements = 2 * self.num_layers * self.num_kv_heads * self.head_dim
-        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "dtype_bytes": self.bytes_per_token // elements}
+        layout = {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                  "head_dim": self.head_dim, "dtype_bytes": self.bytes_per_token // elements}
+        if self.kv_cache_dtype != "auto":  # 1-byte codes; float32 scales [L, 2, N, H_kv] beside
+            layout |= {"dtype_bytes": 1, "kv_cache_dtype": self.kv_cache_dtype, "scale_bytes": 4}
+        return layout
 
     @property
     def steps_recorded(self) -> int:

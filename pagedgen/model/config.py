@@ -84,11 +84,14 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def kv_bytes_per_token(self, dtype: torch.dtype | str) -> int:
-        """Bytes of K and V one token occupies across all layers in a cache of `dtype`."""
+    def kv_bytes_per_token(self, dtype: torch.dtype | str, kv_cache_dtype: str = "auto",
+                           block_size: int = 16) -> int:
+        """Bytes of K and V one token occupies across all layers in a cache of `dtype`
+        (or of a quantized kv_cache_dtype, its share of the block's scales included)."""
         from pagedgen.model.runtime.kv_cache import kv_bytes_per_token
 
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype)
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype,
+                                  kv_cache_dtype, block_size)
 
 
 def _validate(cfg: ModelConfig) -> None:

@@ -31,16 +31,18 @@ class StepMetadata:
     query_start_loc: torch.Tensor  # int32 [S + 1]: rows of sequence s in the flat batch
     rope: torch.Tensor  # [T, 2, D/2]: cos/sin rows of the tokens' positions
     plan: Any = None  # kernel-specific precomputation (cpu_backend.AttentionPlan), or None
+    kv_scales: torch.Tensor | None = None  # float32 [L, 2, N, H_kv] of a quantized pool
 
 
 def build_step_metadata(ops: ModuleType, *, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, rope: torch.Tensor,
-                        block_size: int) -> StepMetadata:
+                        block_size: int, kv_scales: torch.Tensor | None = None) -> StepMetadata:
     """Metadata plus the kernels' once-per-step plan when the kernel module offers one."""
     planner = getattr(ops, "plan_attention", None)
     plan = planner(block_tables, seq_lens, query_start_loc, block_size) if planner else None
     return StepMetadata(ops=ops, slot_mapping=slot_mapping, block_tables=block_tables,
-                        seq_lens=seq_lens, query_start_loc=query_start_loc, rope=rope, plan=plan)
+                        seq_lens=seq_lens, query_start_loc=query_start_loc, rope=rope, plan=plan,
+                        kv_scales=kv_scales)
 
 
 class PagedSelfAttention(nn.Module):
@@ -66,7 +68,8 @@ class PagedSelfAttention(nn.Module):
         self.qkv_packed, self.o_packed = pack_weight(self.qkv_weight), pack_weight(self.o_weight)
 
     def forward(self, hidden: torch.Tensor, step: StepMetadata, k_cache: torch.Tensor,
-                v_cache: torch.Tensor) -> torch.Tensor:
+                v_cache: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+        """scales: this layer's [2, N, H_kv] when the pool is quantized, else None."""
         tokens = hidden.shape[0]
         qkv = linear(hidden, self.qkv_weight, self.qkv_bias, self.qkv_packed)
         # q and k are adjacent columns of qkv: normalise and rotate them together.
@@ -77,14 +80,17 @@ class PagedSelfAttention(nn.Module):
         qk = apply_rope(qk, step.rope)
         query, key = qk[:, :self.num_heads], qk[:, self.num_heads:]
         value = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        step.ops.store_kv(key, value, k_cache, v_cache, step.slot_mapping)
-        attended = self._paged_attention(query, step, k_cache, v_cache)
+        # Only a quantized pool passes scales: the unquantized calls stay exactly as they were.
+        quantized = {} if scales is None else {"k_scales": scales[0], "v_scales": scales[1]}
+        step.ops.store_kv(key, value, k_cache, v_cache, step.slot_mapping, **quantized)
+        attended = self._paged_attention(query, step, k_cache, v_cache, quantized)
         return linear(attended.reshape(tokens, self.q_size), self.o_weight, self.o_bias,
                       self.o_packed)
 
-    def _paged_attention(self, query, step: StepMetadata, k_cache, v_cache) -> torch.Tensor:
+    def _paged_attention(self, query, step: StepMetadata, k_cache, v_cache,
+                         quantized: dict) -> torch.Tensor:
         args = (query, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start_loc,
                 self.scale)
         if step.plan is None:
-            return step.ops.paged_attention(*args)
-        return step.ops.paged_attention(*args, plan=step.plan)
+            return step.ops.paged_attention(*args, **quantized)
+        return step.ops.paged_attention(*args, plan=step.plan, **quantized)

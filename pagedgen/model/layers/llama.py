@@ -5,6 +5,8 @@ sequences of the step; which token belongs to which sequence is in StepMetadata.
 """
 from __future__ import annotations
 
+from itertools import repeat
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,12 +28,12 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, hidden: torch.Tensor, pending: torch.Tensor | None, step: StepMetadata,
-                layer_cache: torch.Tensor) -> torch.Tensor:
+                layer_cache: torch.Tensor, layer_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Adds `pending` (the previous layer's MLP output) to the residual stream `hidden` in
         place and returns this layer's MLP output: each residual add is fused with the norm
         that follows it. `hidden` is always a tensor the decoder's forward created."""
         normed = self.input_norm(hidden, pending)
-        attended = self.attention(normed, step, layer_cache[0], layer_cache[1])
+        attended = self.attention(normed, step, layer_cache[0], layer_cache[1], layer_scales)
         return self.mlp(self.post_attention_norm(hidden, attended))
 
 
@@ -75,15 +77,18 @@ class LlamaDecoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, step: StepMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm, for every token of the batch.
 
-        kv_cache: [L, 2, N, B, H_kv, D]; the new tokens' K/V are written into it.
+        kv_cache: [L, 2, N, B, H_kv, D]; the new tokens' K/V are written into it (8-bit
+        codes when step.kv_scales holds the pool's scales).
         """
         hidden = F.embedding(input_ids, self.embed_weight)
         pending = None
-        if self.fused_decode is not None:  # pure decode steps on CPU: all layers in one call
+        # Pure decode steps on CPU: all layers in one call (bf16 pools only, it checks).
+        if self.fused_decode is not None and step.kv_scales is None:
             pending = self.fused_decode.run(self.config, hidden, step, kv_cache)
         if pending is None:
-            for layer, layer_cache in zip(self.layers, kv_cache):
-                pending = layer(hidden, pending, step, layer_cache)
+            scales = step.kv_scales if step.kv_scales is not None else repeat(None)
+            for layer, layer_cache, layer_scales in zip(self.layers, kv_cache, scales):
+                pending = layer(hidden, pending, step, layer_cache, layer_scales)
         return hidden if pending is None else hidden.add_(pending)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from pagedgen.kernels.kv_quant import KV_CACHE_DTYPES, SCALE_DTYPE, kv_format  # noqa: F401 - re-exported
 from pagedgen.validation import require_int
 
 # Without an explicit size: a fixed budget on CPU, a share of free memory on CUDA. On CPU a
@@ -32,9 +33,24 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype | str) -> int:
-    """K and V of one token over all layers: 2 * layers * kv_heads * head_dim * dtype bytes."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes(dtype)
+                       dtype: torch.dtype | str, kv_cache_dtype: str = "auto",
+                       block_size: int = 16) -> int:
+    """K and V of one token over all layers: 2 * layers * kv_heads * head_dim * dtype bytes.
+
+    A quantized kv_cache_dtype stores 1-byte codes plus one float32 scale per block, K/V and
+    KV head; a token carries 1 / block_size of its block's scales, rounded up to a whole
+    byte (so a pool sized from it never overshoots its budget).
+    """
+    fmt = kv_format(kv_cache_dtype)
+    if fmt is None:
+        return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes(dtype)
+    codes = 2 * num_layers * num_kv_heads * head_dim * fmt.storage.itemsize
+    return codes + -(-kv_scale_bytes_per_block(num_layers, num_kv_heads) // block_size)
+
+
+def kv_scale_bytes_per_block(num_layers: int, num_kv_heads: int) -> int:
+    """The scales of one block of a quantized pool: float32 per layer, K/V and KV head."""
+    return 2 * num_layers * num_kv_heads * SCALE_DTYPE.itemsize
 
 
 def kv_bytes_per_block(bytes_per_token: int, block_size: int) -> int:
@@ -135,6 +151,19 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     """
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def allocate_kv_scales(num_layers: int, num_blocks: int, num_kv_heads: int,
+                       device: torch.device | str) -> torch.Tensor:
+    """The scales beside a quantized pool: float32 [L, 2, num_blocks, H_kv], zero-filled."""
+    return torch.zeros((num_layers, 2, num_blocks, num_kv_heads), dtype=SCALE_DTYPE,
+                       device=device)
+
+
+def kv_storage_dtype(model_dtype: torch.dtype, kv_cache_dtype: str = "auto") -> torch.dtype:
+    """The pool's element dtype: the model's for "auto", the format's 8-bit codes otherwise."""
+    fmt = kv_format(kv_cache_dtype)
+    return model_dtype if fmt is None else fmt.storage
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -11,7 +11,9 @@ from pagedgen.validation import require_int
 from pagedgen.model.layers.attention import StepMetadata, build_step_metadata
 from pagedgen.model.runtime.batch import FlatBatch, ScheduledChunk, build_flat_batch
 from pagedgen.model.runtime.cpu_malloc import keep_freed_memory
-from pagedgen.model.runtime.kv_cache import allocate_kv_cache, size_kv_pool
+from pagedgen.kernels.kv_quant import copy_block_scales, kv_format
+from pagedgen.model.runtime.kv_cache import (allocate_kv_cache, allocate_kv_scales,
+                                             kv_storage_dtype, size_kv_pool)
 from pagedgen.model.runtime.timed_kernels import TimedKernels
 from pagedgen.model.loading.loader import LoadedModel
 
@@ -21,8 +23,9 @@ __all__ = ["ModelRunner", "ScheduledChunk"]
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, block_size: int, num_blocks: int | None = None,
                  kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None,
-                 kernels: ModuleType | None = None) -> None:
-        """kernels: override the device's kernel module (tests run triton_ops interpreted on CPU)."""
+                 kernels: ModuleType | None = None, kv_cache_dtype: str = "auto") -> None:
+        """kernels: override the device's kernel module (tests run triton_ops interpreted on CPU).
+        kv_cache_dtype: "auto" (the model's dtype) or an 8-bit format of kernels/kv_quant.py."""
         require_int("block_size", block_size)
         self.model = loaded.model
         self.config = loaded.config
@@ -30,8 +33,12 @@ class ModelRunner:
         self.block_size = block_size
         self.kernels = kernels or get_ops(self.device)  # Triton kernels on CUDA, the CPU backend on CPU
         self.ops = self.kernels  # what the model calls: the backend, or it seen through a timer
+        kv_format(kv_cache_dtype)  # a bad name fails here, before any allocation
+        self.kv_cache_dtype = kv_cache_dtype or "auto"
+        self.kv_bytes_per_token = self.config.kv_bytes_per_token(self.dtype, self.kv_cache_dtype,
+                                                                 block_size)
         self.num_blocks = size_kv_pool(
-            bytes_per_token=self.config.kv_bytes_per_token(self.dtype), block_size=block_size,
+            bytes_per_token=self.kv_bytes_per_token, block_size=block_size,
             device=self.device, num_blocks=num_blocks, kv_memory_bytes=kv_memory_bytes,
             kv_memory_fraction=kv_memory_fraction).num_blocks
         if self.device.type == "cpu":
@@ -39,7 +46,12 @@ class ModelRunner:
         self.model.pack_weights()
         self.kv_cache = allocate_kv_cache(self.config.num_layers, self.num_blocks, block_size,
                                           self.config.num_kv_heads, self.config.head_dim,
-                                          self.dtype, self.device)
+                                          kv_storage_dtype(self.dtype, self.kv_cache_dtype),
+                                          self.device)
+        self.kv_scales = None  # float32 [L, 2, N, H_kv] beside a quantized pool
+        if kv_format(self.kv_cache_dtype) is not None:
+            self.kv_scales = allocate_kv_scales(self.config.num_layers, self.num_blocks,
+                                                self.config.num_kv_heads, self.device)
 
     def set_phase_hook(self, hook: Any) -> None:
         """Time the attention kernels inside `hook.phase("attention")`; None: call them directly."""
@@ -47,7 +59,9 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.kv_cache.numel() * self.kv_cache.element_size()
+        scales = self.kv_scales
+        scale_bytes = 0 if scales is None else scales.numel() * scales.element_size()
+        return self.kv_cache.numel() * self.kv_cache.element_size() + scale_bytes
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledChunk], copies: list[tuple[int, int]]) -> torch.Tensor:
@@ -76,7 +90,10 @@ class ModelRunner:
         pairs = torch.tensor(copies, dtype=torch.int64).reshape(-1, 2)
         self._check_block_ids(pairs, "copies")
         pairs = pairs.to(self.device)
-        self.ops.copy_blocks(self.kv_cache, pairs[:, 0].contiguous(), pairs[:, 1].contiguous())
+        src, dst = pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
+        self.ops.copy_blocks(self.kv_cache, src, dst)
+        if self.kv_scales is not None:  # a block's scales travel with it
+            copy_block_scales(self.kv_scales, src, dst)
 
     def _step_metadata(self, flat: FlatBatch) -> StepMetadata:
         on_device = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
@@ -85,7 +102,7 @@ class ModelRunner:
             block_tables=on_device(flat.block_tables), seq_lens=on_device(flat.seq_lens),
             query_start_loc=on_device(flat.query_start_loc),
             rope=self.model.rope.index_select(0, on_device(flat.positions)),
-            block_size=self.block_size)
+            block_size=self.block_size, kv_scales=self.kv_scales)
 
     def _check_ids(self, flat: FlatBatch) -> None:
         """Bad ids would index out of bounds deep in a kernel; name the field instead."""
