@@ -28,7 +28,7 @@ sys.path.insert(0, str(BENCH_DIR))
 from make_bench_model import DEFAULT_GGUF_DIR, convert_default_model, make_bench_model  # noqa: E402
 from peers.agreement import agreement  # noqa: E402
 from peers.common import Workload, save_workload  # noqa: E402
-from peers.floor import ModelShape, measure_gemm_rate, workload_flops  # noqa: E402
+from peers.floor import ModelShape, measure_copy_bandwidth, measure_gemm_rate, workload_flops  # noqa: E402
 from peers.install_vllm import DEFAULT_VENV, install, is_installed, venv_python  # noqa: E402
 from peers.launch import launch  # noqa: E402
 from peers.cpu_info import CpuInfo, cpu_info  # noqa: E402
@@ -200,7 +200,8 @@ def add_derived(runs: list[EngineRun], floor: Floor, work_dir: Path, greedy: boo
             run.agreement = asdict(agreement(tokens[run.engine], tokens[REFERENCE_ENGINE]))
 
 
-def header_lines(args, model_dir: Path, cpu: CpuInfo, gemm_flop_s: float) -> list[str]:
+def header_lines(args, model_dir: Path, cpu: CpuInfo, gemm_flop_s: float,
+                 copy_bytes_s: float) -> list[str]:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return [
         f"pagedgen vs peers — {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}, "
@@ -210,7 +211,7 @@ def header_lines(args, model_dir: Path, cpu: CpuInfo, gemm_flop_s: float) -> lis
         "(unless the workload sets its own), ignore_eos",
         f"model {model_dir}",
         f"measured {args.dtype} GEMM {gemm_flop_s / 1e9:.0f} GFLOP/s (threads={args.threads}): "
-        "the compute floor's rate",
+        f"the compute floor's rate; memory copy_ {copy_bytes_s / 1e9:.1f} GB/s (read + write)",
         "throughputs are over the generate call; start-up = spawn -> engine ready; wall = spawn -> exit",
     ]
 
@@ -264,8 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     pythons = {e: runner_python(e, args) for e in args.engines}
     shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
     gemm_flop_s = measure_gemm_rate(args.threads, args.dtype)
+    copy_bytes_s = measure_copy_bandwidth(args.threads)
     cpu = cpu_info()
-    header = header_lines(args, model_dir, cpu, gemm_flop_s)
+    header = header_lines(args, model_dir, cpu, gemm_flop_s, copy_bytes_s)
     for line in header:
         print(line, flush=True)
 
@@ -283,8 +285,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"logs and outputs: {work_dir}")
     if args.json:
         document = {"header": header + kernel_path_lines(suite), "cpu_model": cpu.model,
-                    "cpu_features": cpu.features, "threads": args.threads, "dtype": args.dtype,
-                    "model": str(model_dir), "workloads": results}
+                    "cpu_features": cpu.features, "copy_bytes_s": copy_bytes_s,
+                    "threads": args.threads, "dtype": args.dtype, "model": str(model_dir),
+                    "workloads": results}
         args.json.write_text(json.dumps(document, indent=2))
         print(f"results saved to {args.json}")
 

@@ -87,3 +87,25 @@ def measure_gemm_rate(threads: int, dtype: str = "bfloat16", size: int = 2048,
         return 2.0 * size**3 / best
     finally:
         torch.set_num_threads(previous)
+
+
+def measure_copy_bandwidth(threads: int, megabytes: int = 256, seconds: float = 0.5) -> float:
+    """Best bytes/s of a large tensor copy_ (read + write counted) with `threads` torch threads:
+    the DRAM bandwidth that long-context decode attention, which streams K/V, is held against."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        source = torch.ones(megabytes * 2**20 // 4)
+        target = torch.empty_like(source)
+        target.copy_(source)  # warm-up: touches every page
+        best = float("inf")
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline or best == float("inf"):
+            start = time.perf_counter()
+            target.copy_(source)
+            best = min(best, time.perf_counter() - start)
+        return 2.0 * source.nbytes / best
+    finally:
+        torch.set_num_threads(previous)
