@@ -63,10 +63,11 @@ SUITE: dict[str, tuple[WorkloadSpec, WorkloadSpec]] = {
                       WorkloadSpec(8, (5, 20), (8, 8), name="shared-prefix", shared_prefix=150)),
     "parallel": (WorkloadSpec(32, (256, 512), (128, 128), name="parallel", n=8, temperature=1.0),
                  WorkloadSpec(4, (26, 51), (12, 12), name="parallel", n=8, temperature=1.0)),
-    # Quick: requests large enough that 8 MiB (~360 tokens of the bench model) preempts, and
-    # that vLLM's smallest max_model_len (256, it rounds up) still fits the budget.
+    # Quick: requests large enough that 16 MiB (~730 tokens of the bench model) preempts, in a
+    # budget that still holds vLLM's smallest max_model_len (256, it rounds up) in its blocks
+    # of 128 tokens.
     "tight": (replace(FULL, name="tight", kv_mib=128),
-              WorkloadSpec(6, (32, 96), (16, 48), name="tight", kv_mib=8)),
+              WorkloadSpec(8, (64, 128), (32, 64), name="tight", kv_mib=16)),
     "small-job": (WorkloadSpec(8, (32, 512), (16, 256), name="small-job"),
                   WorkloadSpec(3, (8, 48), (4, 12), name="small-job")),
 }
