@@ -7,6 +7,7 @@ pagedgen / peer ratios. See bench/README.md.
 
     python bench/bench_peers.py --quick                    # tiny workload, a few minutes
     python bench/bench_peers.py --install-vllm --json bench_results.json   # the real run
+    python bench/bench_peers.py --suite all --engines pagedgen,vllm,hf_static   # every workload
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ sys.path.insert(0, str(BENCH_DIR))
 from make_bench_model import DEFAULT_GGUF_DIR, convert_default_model, make_bench_model  # noqa: E402
 from peers.agreement import agreement  # noqa: E402
 from peers.common import Workload, save_workload  # noqa: E402
-from peers.floor import ModelShape, measure_gemm_rate, workload_flops  # noqa: E402
+from peers.floor import ModelShape, measure_copy_bandwidth, measure_gemm_rate, workload_flops  # noqa: E402
 from peers.install_vllm import DEFAULT_VENV, install, is_installed, venv_python  # noqa: E402
 from peers.launch import launch  # noqa: E402
-from peers.report import EngineRun, print_report, to_json  # noqa: E402
-from peers.workload import FULL, QUICK, file_workload, random_workload  # noqa: E402
+from peers.cpu_info import CpuInfo, cpu_info  # noqa: E402
+from peers.report import EngineRun, print_report, print_suite, to_json  # noqa: E402
+from peers.workload import FULL, QUICK, SUITE, file_workload, random_workload, suite_specs  # noqa: E402
 
 RUNNERS = {
     "pagedgen": "run_pagedgen.py",
@@ -48,7 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--engines", default=",".join(RUNNERS),
                    help=f"comma-separated, run in this order; from {', '.join(RUNNERS)}")
-    p.add_argument("--quick", action="store_true", help="tiny workload: checks that everything runs")
+    p.add_argument("--quick", action="store_true", help="tiny workload(s): checks that everything runs")
+    p.add_argument("--suite", default=None,
+                   help=f"workloads to run, comma-separated or 'all': {', '.join(SUITE)} "
+                        "(default: w64 alone, or --prompts)")
     p.add_argument("--json", type=Path, default=None, help="also save the results here")
     p.add_argument("--model", default="bench",
                    help="'bench' (random SmolLM2-135M-shaped, made once), 'default' (the SmolLM2 "
@@ -85,6 +90,13 @@ def validate(args: argparse.Namespace) -> None:
         raise SystemExit(f"--kv-gib must be > 0, got {args.kv_gib}")
     if args.prompts is not None and not args.prompts.is_file():
         raise SystemExit(f"--prompts {args.prompts}: no such file")
+    if args.suite is not None:
+        if args.prompts is not None:
+            raise SystemExit("--prompts and --suite cannot be combined: the suite's workloads are generated")
+        try:
+            suite_specs(args.suite, args.quick, args.seed)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
 
 
 def resolve_model(choice: str) -> Path:
@@ -98,21 +110,27 @@ def resolve_model(choice: str) -> Path:
     return path
 
 
-def build_workload(args: argparse.Namespace, model_dir: Path) -> Workload:
+def build_workloads(args: argparse.Namespace, model_dir: Path) -> list[Workload]:
     from transformers import AutoTokenizer
 
-    spec = QUICK if args.quick else FULL
-    spec = replace(spec, seed=args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # Ids above every special token and inside the tokenizer: valid for every engine.
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    token_range = (max(tokenizer.all_special_ids, default=-1) + 1, min(len(tokenizer), vocab))
+    if args.suite is not None:
+        return [random_workload(spec, token_range) for spec in suite_specs(args.suite, args.quick, args.seed)]
+    spec = replace(QUICK if args.quick else FULL, seed=args.seed)
     prompts = args.prompts
     if prompts is None and args.model == "default" and SAMPLE_PROMPTS.is_file():
         prompts = SAMPLE_PROMPTS
     if prompts is not None:
-        return file_workload(prompts, tokenizer, spec)
-    # Ids above every special token and inside the tokenizer: valid for every engine.
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    low = max(tokenizer.all_special_ids, default=-1) + 1
-    return random_workload(spec, (low, min(len(tokenizer), vocab)))
+        return [file_workload(prompts, tokenizer, spec)]
+    return [random_workload(spec, token_range)]
+
+
+def kv_gib(args: argparse.Namespace, workload: Workload) -> float:
+    """The KV budget every engine gets for this workload: its own where it sets one."""
+    return args.kv_gib if workload.kv_bytes is None else workload.kv_bytes / 2**30
 
 
 def runner_python(engine: str, args: argparse.Namespace) -> Path | None:
@@ -127,10 +145,11 @@ def runner_python(engine: str, args: argparse.Namespace) -> Path | None:
 
 
 def runner_command(engine: str, python: Path, args: argparse.Namespace, model_dir: Path,
-                   workload_path: Path, work_dir: Path) -> list[str]:
+                   workload: Workload, workload_path: Path, work_dir: Path) -> list[str]:
     command = [str(python), str(BENCH_DIR / "peers" / RUNNERS[engine]), "--model", str(model_dir),
                "--workload", str(workload_path), "--tokens-out", str(work_dir / f"{engine}.tokens.json"),
-               "--threads", str(args.threads), "--dtype", args.dtype, "--kv-gib", str(args.kv_gib)]
+               "--threads", str(args.threads), "--dtype", args.dtype,
+               "--kv-gib", repr(kv_gib(args, workload))]
     if engine == "vllm" and args.vllm_eager:
         command.append("--eager")
     if engine == "hf_cb":
@@ -148,11 +167,11 @@ def runner_env(engine: str, args: argparse.Namespace, work_dir: Path) -> dict[st
 
 
 def run_engine(engine: str, python: Path | None, args: argparse.Namespace, model_dir: Path,
-               workload_path: Path, work_dir: Path) -> EngineRun:
+               workload: Workload, workload_path: Path, work_dir: Path) -> EngineRun:
     if python is None:
         return EngineRun(engine, "skipped", f"not installed in {args.vllm_venv}; add --install-vllm")
-    print(f"running {engine} ...", flush=True)
-    command = runner_command(engine, python, args, model_dir, workload_path, work_dir)
+    print(f"running {engine} on {workload.name} ...", flush=True)
+    command = runner_command(engine, python, args, model_dir, workload, workload_path, work_dir)
     run = launch(engine, command, work_dir, args.timeout, runner_env(engine, args, work_dir))
     print(f"  {engine}: {run.status} {run.reason}".rstrip(), flush=True)
     return run
@@ -168,31 +187,71 @@ class Floor:
         return self.flops / self.gemm_flop_s
 
 
-def add_derived(runs: list[EngineRun], floor: Floor, work_dir: Path) -> None:
-    """Floor multiples and token agreement with the reference engine, where it ran."""
+def add_derived(runs: list[EngineRun], floor: Floor, work_dir: Path, greedy: bool = True) -> None:
+    """Floor multiples and token agreement with the reference engine, where it ran (greedy
+    workloads only: sampled tokens of two engines are not meant to agree)."""
     tokens = {r.engine: json.loads((work_dir / f"{r.engine}.tokens.json").read_text())
               for r in runs if r.status == "ok"}
     for run in runs:
         if run.status != "ok":
             continue
         run.floor_multiple = run.result["generate_s"] / floor.seconds
-        if REFERENCE_ENGINE in tokens:
+        if greedy and REFERENCE_ENGINE in tokens:
             run.agreement = asdict(agreement(tokens[run.engine], tokens[REFERENCE_ENGINE]))
 
 
-def header_lines(args, model_dir: Path, workload: Workload, floor: Floor) -> list[str]:
+def header_lines(args, model_dir: Path, cpu: CpuInfo, gemm_flop_s: float,
+                 copy_bytes_s: float) -> list[str]:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return [
         f"pagedgen vs peers — {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}, "
         f"{os.cpu_count()} CPUs, load average before the run {load}",
-        f"threads {args.threads}, dtype {args.dtype}, KV budget {args.kv_gib:g} GiB per engine, greedy, ignore_eos",
+        cpu.summary(),
+        f"threads {args.threads}, dtype {args.dtype}, KV budget {args.kv_gib:g} GiB per engine "
+        "(unless the workload sets its own), ignore_eos",
         f"model {model_dir}",
-        f"workload: {workload.description}; {workload.prompt_tokens} prompt + "
-        f"{workload.generated_tokens} generated tokens",
-        f"floor: {floor.flops / 1e12:.3f} TFLOP / measured {args.dtype} GEMM "
-        f"{floor.gemm_flop_s / 1e9:.0f} GFLOP/s (threads={args.threads}) = {floor.seconds:.2f} s",
+        f"measured {args.dtype} GEMM {gemm_flop_s / 1e9:.0f} GFLOP/s (threads={args.threads}): "
+        f"the compute floor's rate; memory copy_ {copy_bytes_s / 1e9:.1f} GB/s (read + write)",
         "throughputs are over the generate call; start-up = spawn -> engine ready; wall = spawn -> exit",
     ]
+
+
+def workload_lines(workload: Workload, floor: Floor, budget_gib: float) -> list[str]:
+    return [
+        "",
+        f"[{workload.name}] {workload.description}; {workload.prompt_tokens} prompt + "
+        f"{workload.generated_tokens} generated tokens; KV budget {budget_gib * 1024:g} MiB",
+        f"floor: {floor.flops / 1e12:.3f} TFLOP / {floor.gemm_flop_s / 1e9:.0f} GFLOP/s = {floor.seconds:.2f} s",
+    ]
+
+
+def kernel_path_lines(suite: list[tuple[Workload, list[EngineRun]]]) -> list[str]:
+    """The compute paths pagedgen reported (the same for every workload unless dtype differs)."""
+    paths = {tuple(r.result.get("kernel_paths", [])) for _, runs in suite for r in runs
+             if r.engine == "pagedgen" and r.status == "ok"}
+    return [f"pagedgen kernel paths: {'; '.join(p)}" for p in sorted(paths) if p]
+
+
+def run_workload(args, workload: Workload, model_dir: Path, pythons: dict, shape: ModelShape,
+                 gemm_flop_s: float, work_dir: Path) -> tuple[list[EngineRun], Floor, list[str]]:
+    work_dir.mkdir(parents=True, exist_ok=True)
+    workload_path = work_dir / "workload.json"
+    save_workload(workload, workload_path)
+    floor = Floor(workload_flops(shape, workload), gemm_flop_s)
+    runs = [run_engine(e, pythons[e], args, model_dir, workload, workload_path, work_dir)
+            for e in args.engines]
+    add_derived(runs, floor, work_dir, workload.greedy)
+    lines = workload_lines(workload, floor, kv_gib(args, workload))
+    print_report(lines, runs, title=f"{workload.name}: per engine")
+    return runs, floor, lines
+
+
+def workload_json(args, workload: Workload, floor: Floor, lines: list[str], runs: list[EngineRun]) -> dict:
+    meta = {"workload_name": workload.name, "header": lines, "workload": workload.description,
+            "kv_gib": kv_gib(args, workload), "n": workload.n, "temperature": workload.temperature,
+            "prompt_tokens": workload.prompt_tokens, "generated_tokens": workload.generated_tokens,
+            "floor_flops": floor.flops, "gemm_flop_s": floor.gemm_flop_s, "floor_s": floor.seconds}
+    return to_json(meta, runs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -200,27 +259,36 @@ def main(argv: list[str] | None = None) -> None:
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="pagedgen-bench-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(args.model)
-    workload = build_workload(args, model_dir)
-    workload_path = work_dir / "workload.json"
-    save_workload(workload, workload_path)
+    workloads = build_workloads(args, model_dir)
 
     # Install (if asked) before anything is measured, so that no install overlaps a measurement.
     pythons = {e: runner_python(e, args) for e in args.engines}
     shape = ModelShape.from_config(json.loads((model_dir / "config.json").read_text()))
-    floor = Floor(workload_flops(shape, workload), measure_gemm_rate(args.threads, args.dtype))
-    header = header_lines(args, model_dir, workload, floor)
-    runs = [run_engine(e, pythons[e], args, model_dir, workload_path, work_dir) for e in args.engines]
-    add_derived(runs, floor, work_dir)
+    gemm_flop_s = measure_gemm_rate(args.threads, args.dtype)
+    copy_bytes_s = measure_copy_bandwidth(args.threads)
+    cpu = cpu_info()
+    header = header_lines(args, model_dir, cpu, gemm_flop_s, copy_bytes_s)
+    for line in header:
+        print(line, flush=True)
+
+    suite, results = [], []
+    for workload in workloads:
+        sub_dir = work_dir / workload.name if args.suite is not None else work_dir
+        runs, floor, lines = run_workload(args, workload, model_dir, pythons, shape, gemm_flop_s, sub_dir)
+        suite.append((workload, runs))
+        results.append(workload_json(args, workload, floor, lines, runs))
 
     print()
-    print_report(header, runs)
+    for line in header + kernel_path_lines(suite):
+        print(line, flush=True)
+    print_suite([(w.name, runs) for w, runs in suite])
     print(f"logs and outputs: {work_dir}")
     if args.json:
-        meta = {"header": header, "threads": args.threads, "dtype": args.dtype, "kv_gib": args.kv_gib,
-                "model": str(model_dir), "workload": workload.description,
-                "prompt_tokens": workload.prompt_tokens, "generated_tokens": workload.generated_tokens,
-                "floor_flops": floor.flops, "gemm_flop_s": floor.gemm_flop_s, "floor_s": floor.seconds}
-        args.json.write_text(json.dumps(to_json(meta, runs), indent=2))
+        document = {"header": header + kernel_path_lines(suite), "cpu_model": cpu.model,
+                    "cpu_features": cpu.features, "copy_bytes_s": copy_bytes_s,
+                    "threads": args.threads, "dtype": args.dtype, "model": str(model_dir),
+                    "workloads": results}
+        args.json.write_text(json.dumps(document, indent=2))
         print(f"results saved to {args.json}")
 
 

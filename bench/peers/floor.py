@@ -45,16 +45,26 @@ def workload_flops(shape: ModelShape, workload: Workload) -> float:
 
     A request of prompt L and g new tokens runs L + g - 1 tokens through the layers (the last
     sampled token is never fed back) and needs g rows of logits. Attention at position p reads
-    p + 1 keys: QK^T and PV cost 2 x 2 x (p + 1) x heads x head_dim per layer.
+    p + 1 keys: QK^T and PV cost 2 x 2 x (p + 1) x heads x head_dim per layer. With n samples
+    the prompt is computed once and each sample its own g - 1 tokens; a prefix shared by every
+    prompt is computed once for the whole workload (what prefix caching allows).
     """
-    flops = 0.0
+    prefix = workload.shared_prefix_len
+    flops = _token_flops(shape, 0, prefix)
     for prompt, g in zip(workload.prompts, workload.max_tokens):
-        computed = len(prompt) + g - 1
-        flops += 2.0 * shape.params_per_token * computed
-        flops += 2.0 * shape.hidden * shape.vocab * g
-        context_sum = computed * (computed + 1) / 2
-        flops += 4.0 * shape.layers * shape.heads * shape.head_dim * context_sum
+        flops += _token_flops(shape, prefix, len(prompt))
+        flops += workload.n * _token_flops(shape, len(prompt), len(prompt) + g - 1)
+        flops += workload.n * 2.0 * shape.hidden * shape.vocab * g
     return flops
+
+
+def _token_flops(shape: ModelShape, first: int, end: int) -> float:
+    """Layers and attention of the tokens at positions first..end-1 (each attends to p + 1 keys)."""
+    if end <= first:
+        return 0.0
+    context_sum = (end * (end + 1) - first * (first + 1)) / 2
+    return (2.0 * shape.params_per_token * (end - first)
+            + 4.0 * shape.layers * shape.heads * shape.head_dim * context_sum)
 
 
 def measure_gemm_rate(threads: int, dtype: str = "bfloat16", size: int = 2048,
@@ -75,5 +85,27 @@ def measure_gemm_rate(threads: int, dtype: str = "bfloat16", size: int = 2048,
             a @ b
             best = min(best, time.perf_counter() - start)
         return 2.0 * size**3 / best
+    finally:
+        torch.set_num_threads(previous)
+
+
+def measure_copy_bandwidth(threads: int, megabytes: int = 256, seconds: float = 0.5) -> float:
+    """Best bytes/s of a large tensor copy_ (read + write counted) with `threads` torch threads:
+    the DRAM bandwidth that long-context decode attention, which streams K/V, is held against."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        source = torch.ones(megabytes * 2**20 // 4)
+        target = torch.empty_like(source)
+        target.copy_(source)  # warm-up: touches every page
+        best = float("inf")
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline or best == float("inf"):
+            start = time.perf_counter()
+            target.copy_(source)
+            best = min(best, time.perf_counter() - start)
+        return 2.0 * source.nbytes / best
     finally:
         torch.set_num_threads(previous)

@@ -65,6 +65,8 @@ def launch(engine: str, command: list[str], work_dir: Path, timeout_s: float,
         return EngineRun(engine, "failed", f"timed out after {timeout_s:.0f} s", log=str(log_path))
     code, max_rss = waited
     result = last_json_line(out_path.read_text(errors="replace"))
+    if code == 0 and result is not None and "unsupported" in result:
+        return EngineRun(engine, "unsupported", result["unsupported"], log=str(log_path))
     if code != 0 or result is None:
         reason = f"exit code {code}" + ("" if result else ", no result line")
         print(f"--- {engine} failed ({reason}); last lines of {log_path}:\n{_tail(log_path)}")

@@ -53,17 +53,58 @@ def _cell(value: float | None, scale: float = 1) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
-def figures_table(runs: list[EngineRun]) -> Table:
-    table = Table(title="Per engine")
-    for title in ["engine", *(title for _, title, _, _ in FIGURES), "agree % (prefix/first)"]:
-        table.add_column(title, justify="left" if title == "engine" else "right")
+def _preemptions(run: EngineRun) -> str:
+    value = run.result.get("preemptions")
+    return "n/a" if value is None else str(value)
+
+
+def figures_table(runs: list[EngineRun], title: str = "Per engine") -> Table:
+    table = Table(title=title)
+    for column in ["engine", *(t for _, t, _, _ in FIGURES), "preempt", "agree % (prefix/first)"]:
+        table.add_column(column, justify="left" if column == "engine" else "right")
     for run in runs:
         if run.status != "ok":
-            table.add_row(run.engine, f"{run.status}: {run.reason}"[:60], *["" for _ in FIGURES])
+            table.add_row(run.engine, f"{run.status}: {run.reason}"[:60], *["" for _ in FIGURES], "")
             continue
         agree = run.agreement
         agree_cell = f"{100 * agree['prefix']:.0f}/{100 * agree['first_token']:.0f}" if agree else "-"
-        table.add_row(run.engine, *(_cell(run.figure(k), s) for k, _, s, _ in FIGURES), agree_cell)
+        table.add_row(run.engine, *(_cell(run.figure(k), s) for k, _, s, _ in FIGURES),
+                      _preemptions(run), agree_cell)
+    return table
+
+
+# The suite's summary: the columns, one row per workload and engine.
+SUITE_FIGURES = ["generated_tok_s", "prompt_tok_s", "wall_s", "startup_s", "peak_tree_bytes",
+                 "kv_peak_bytes", "floor_multiple"]
+SUITE_RATIOS = ["generated_tok_s", "prompt_tok_s", "wall_s", "startup_s", "peak_tree_bytes"]
+
+
+def _figure(key: str) -> tuple[str, float]:
+    return next((title, scale) for k, title, scale, _ in FIGURES if k == key)
+
+
+def suite_table(suite: list[tuple[str, list[EngineRun]]]) -> Table:
+    table = Table(title="Suite: workload x engine")
+    for column in ["workload", "engine", *(_figure(k)[0] for k in SUITE_FIGURES), "preempt"]:
+        table.add_column(column, justify="left" if column in ("workload", "engine") else "right")
+    for workload, runs in suite:
+        for run in runs:
+            if run.status != "ok":
+                cells = [f"{run.status}: {run.reason}"[:60], *["" for _ in SUITE_FIGURES[1:]], ""]
+            else:
+                cells = [*(_cell(run.figure(k), _figure(k)[1]) for k in SUITE_FIGURES), _preemptions(run)]
+            table.add_row(workload, run.engine, *cells)
+    return table
+
+
+def suite_ratios_table(suite: list[tuple[str, list[EngineRun]]]) -> Table:
+    table = Table(title="Suite: pagedgen / peer  (tok/s: > 1 is better; time and memory: < 1 is better)")
+    for column in ["workload", "peer", *(_figure(k)[0] for k in SUITE_RATIOS)]:
+        table.add_column(column, justify="left" if column in ("workload", "peer") else "right")
+    for workload, runs in suite:
+        for peer, values in ratios(runs).items():
+            table.add_row(workload, peer, *(f"{values[k]:.2f}" if values[k] is not None else "-"
+                                            for k in SUITE_RATIOS))
     return table
 
 
@@ -90,17 +131,25 @@ def ratios_table(table_ratios: dict[str, dict[str, float | None]]) -> Table:
     return table
 
 
-def print_report(header: list[str], runs: list[EngineRun], console: Console | None = None) -> None:
+def print_report(header: list[str], runs: list[EngineRun], console: Console | None = None,
+                 title: str = "Per engine") -> None:
     console = console or Console(width=200)
     for line in header:
         console.print(line, highlight=False)
-    console.print(figures_table(runs))
+    console.print(figures_table(runs, title))
     table_ratios = ratios(runs)
     if table_ratios:
         console.print(ratios_table(table_ratios))
     for run in runs:
         for note in run.result.get("notes", []):
             console.print(f"  {run.engine}: {note}", highlight=False)
+
+
+def print_suite(suite: list[tuple[str, list[EngineRun]]], console: Console | None = None) -> None:
+    console = console or Console(width=200)
+    console.print(suite_table(suite))
+    if any(ratios(runs) for _, runs in suite):
+        console.print(suite_ratios_table(suite))
 
 
 def to_json(header: dict[str, Any], runs: list[EngineRun]) -> dict[str, Any]:

@@ -13,17 +13,11 @@ import time
 PROCESS_START = time.time()
 
 from common import (  # noqa: E402
-    RunnerResult, Workload, check_args, check_outputs, env_threads, finish, load_workload,
-    runner_args, seconds_since_spawn,
+    RunnerResult, Workload, check_args, check_outputs, env_threads, finish, kv_bytes_per_token,
+    load_workload, runner_args, seconds_since_spawn,
 )
 
 NO_EOS = -1  # transformers CB's own "EOS disabled" value: ignore_eos
-
-
-def kv_bytes_per_block(config, dtype_bytes: int, page_size: int) -> int:
-    """Bytes of one CB block: page_size tokens of K and V for every layer."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes * page_size
 
 
 def start_manager(args, workload: Workload):
@@ -35,10 +29,14 @@ def start_manager(args, workload: Workload):
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=args.attn)
     cb_config = ContinuousBatchingConfig(auto_switch_to_flash=False)
-    per_block = kv_bytes_per_block(model.config, dtype.itemsize, cb_config.page_size)
+    per_block = kv_bytes_per_token(model.config, dtype.itemsize) * cb_config.page_size
     cb_config.num_blocks = max(1, int(args.kv_gib * 2**30) // per_block)
-    gen_config = GenerationConfig(do_sample=False, eos_token_id=NO_EOS, pad_token_id=0,
-                                  max_new_tokens=max(workload.max_tokens))
+    sampling = {"do_sample": False} if workload.greedy else {
+        "do_sample": True, "temperature": workload.temperature, "top_k": 0, "top_p": 1.0}
+    # n > 1: the manager forks each request into n - 1 children ("<id>__child#<i>").
+    gen_config = GenerationConfig(eos_token_id=NO_EOS, pad_token_id=0,
+                                  max_new_tokens=max(workload.max_tokens),
+                                  num_return_sequences=workload.n, **sampling)
     hints = WorkloadHints(max_prompt_length=max(map(len, workload.prompts)),
                           max_generated_length=max(workload.max_tokens), num_requests=len(workload.prompts))
     manager = model.init_continuous_batching(generation_config=gen_config,
@@ -46,6 +44,11 @@ def start_manager(args, workload: Workload):
     manager.warmup()
     manager.start()
     return manager
+
+
+def sample_id(request_id: str, sample: int) -> str:
+    """The manager's id for sample `sample` of a request (sample 0 is the request itself)."""
+    return request_id if sample == 0 else f"{request_id}__child#{sample - 1}"
 
 
 def collect(manager, count: int, timeout_s: float) -> dict[str, list[int]]:
@@ -75,24 +78,28 @@ def main() -> None:
     check_args(args)
     env_threads(args.threads)
     workload = load_workload(args.workload)
+    import torch
+
+    torch.manual_seed(workload.seed)
     manager = start_manager(args, workload)
     startup_s = seconds_since_spawn(args.spawn_time, PROCESS_START)
 
     start = time.perf_counter()
     for i, (prompt, g) in enumerate(zip(workload.prompts, workload.max_tokens)):
         manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=g, eos_token_id=NO_EOS)
-    results = collect(manager, len(workload.prompts), args.timeout)
+    results = collect(manager, len(workload.prompts) * workload.n, args.timeout)
     generate_s = time.perf_counter() - start
 
     kv_bytes = manager.batch_processor.cache.cache_tensor.nbytes
     manager.stop(block=True, timeout=30)
-    outputs = [results[f"r{i}"] for i in range(len(workload.prompts))]
+    outputs = [results[sample_id(f"r{i}", j)] for i in range(len(workload.prompts))
+               for j in range(workload.n)]
     check_outputs(workload, outputs, "hf_cb")
     import transformers
 
     result = RunnerResult(
         engine="hf_cb", version=f"transformers {transformers.__version__}", threads=args.threads,
-        dtype=args.dtype, num_requests=len(outputs), prompt_tokens=workload.prompt_tokens,
+        dtype=args.dtype, num_requests=len(workload.prompts), prompt_tokens=workload.prompt_tokens,
         generated_tokens=sum(map(len, outputs)), startup_s=startup_s, generate_s=generate_s,
         kv_allocated_bytes=kv_bytes,
         notes=[f"continuous batching, attn {args.attn}"],

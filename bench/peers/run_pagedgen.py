@@ -6,10 +6,35 @@ import time
 
 PROCESS_START = time.time()
 
+from collections import Counter  # noqa: E402
+
 from common import (  # noqa: E402
     RunnerResult, check_args, check_outputs, env_threads, finish, load_workload, runner_args,
     seconds_since_spawn,
 )
+
+
+def kernel_paths(llm) -> list[str]:
+    """The compute paths pagedgen dispatched to on this CPU (what start-up packing and the
+    native library's checks chose), so that a figure can be read with the path behind it."""
+    from pagedgen.kernels import native
+
+    model = llm.runner.model
+    projections = Counter(
+        "F.linear" if p is None else p.kind for layer in model.layers
+        for p in (layer.attention.qkv_packed, layer.attention.o_packed,
+                  layer.mlp.gate_up_packed, layer.mlp.down_packed))
+    head = model.lm_head_packed
+    library = native.load()
+    amx = bool(library is not None and library.amx_available())
+    return [
+        "projections " + ", ".join(f"{kind} x{count}" for kind, count in projections.items()),
+        f"LM head {'F.linear' if head is None else head.kind}",
+        "decode layers: one fused native call per step" if model.fused_decode is not None
+        else "decode layers: layer by layer",
+        ("attention: native C decode" + (", AMX prefill" if amx else ", torch sdpa prefill"))
+        if library is not None else "attention: torch (no native library)",
+    ]
 
 
 def main() -> None:
@@ -24,27 +49,30 @@ def main() -> None:
     from pagedgen import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, threads=args.threads, block_size=args.block_size,
-              kv_memory=int(args.kv_gib * 2**30))
+              kv_memory=int(args.kv_gib * 2**30), seed=workload.seed)
     startup_s = seconds_since_spawn(args.spawn_time, PROCESS_START)
 
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-    params = [SamplingParams(max_tokens=g, temperature=0, ignore_eos=True) for g in workload.max_tokens]
+    params = [SamplingParams(max_tokens=g, n=workload.n, temperature=workload.temperature,
+                             ignore_eos=True) for g in workload.max_tokens]
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     generate_s = time.perf_counter() - start
 
-    failed = [r.request_id for r in results if getattr(r, "error", None)]
+    failed = [r for r in results if getattr(r, "error", None)]
     if failed:
-        raise RuntimeError(f"pagedgen: requests {failed} failed: {results[0].error}")
-    outputs = [list(r.outputs[0].token_ids) for r in results]
+        raise RuntimeError(f"pagedgen: {len(failed)} requests failed, first: {failed[0].error}")
+    outputs = [list(c.token_ids) for r in results for c in r.outputs]
     check_outputs(workload, outputs, "pagedgen")
     report = llm.memory_report()
+    preemptions = report["summary"]["preemptions"]
     result = RunnerResult(
         engine="pagedgen", version=f"pagedgen {pagedgen.__version__}", threads=args.threads,
-        dtype=args.dtype, num_requests=len(outputs), prompt_tokens=workload.prompt_tokens,
+        dtype=args.dtype, num_requests=len(results), prompt_tokens=workload.prompt_tokens,
         generated_tokens=sum(map(len, outputs)), startup_s=startup_s, generate_s=generate_s,
         kv_allocated_bytes=report["pool"]["total_bytes"], kv_peak_bytes=report["summary"]["peak_bytes"],
-        notes=[f"block size {args.block_size}", f"preemptions {report['summary']['preemptions']}"],
+        preemptions=preemptions, kernel_paths=kernel_paths(llm),
+        notes=[f"block size {args.block_size}", f"preemptions {preemptions}"],
     )
     finish(result, outputs, args.tokens_out)
 

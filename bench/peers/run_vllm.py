@@ -45,6 +45,15 @@ def allocated_kv_bytes(llm, fallback: int) -> tuple[int, str]:
     return cache.num_gpu_blocks * cache.block_size * per_token, f"{cache.num_gpu_blocks} blocks of {cache.block_size}"
 
 
+def preemption_count(llm) -> int | None:
+    """vLLM's preemption counter (needs disable_log_stats=False), None where it is not exposed."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # an older/newer API: report "not exposed" rather than fail the run
+        return None
+    return next((int(m.value) for m in metrics if m.name == "vllm:num_preemptions"), None)
+
+
 def main() -> None:
     parser = runner_args(__doc__.splitlines()[0])
     parser.add_argument("--eager", action="store_true", help="enforce_eager: skip torch.compile")
@@ -63,25 +72,29 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     extra = {} if float(args.kv_gib).is_integer() else {"kv_cache_memory_bytes": int(args.kv_gib * GIB)}
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=max_model_len, seed=0,
-              enforce_eager=args.eager, **extra)
+    # Stats logging only where the workload sets its own KV budget: it is where the preemption
+    # count matters, and elsewhere the per-step stats would be work no other engine does.
+    count_preemptions = workload.kv_bytes is not None
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=max_model_len, seed=workload.seed,
+              enforce_eager=args.eager, disable_log_stats=not count_preemptions, **extra)
     startup_s = seconds_since_spawn(args.spawn_time, PROCESS_START)
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in workload.prompts]
-    params = [SamplingParams(max_tokens=g, temperature=0.0, ignore_eos=True, detokenize=False)
-              for g in workload.max_tokens]
+    params = [SamplingParams(max_tokens=g, n=workload.n, temperature=workload.temperature,
+                             ignore_eos=True, detokenize=False) for g in workload.max_tokens]
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     generate_s = time.perf_counter() - start
 
-    outputs = [list(r.outputs[0].token_ids) for r in results]
+    outputs = [list(c.token_ids) for r in results for c in sorted(r.outputs, key=lambda c: c.index)]
     check_outputs(workload, outputs, "vllm")
     kv_bytes, kv_source = allocated_kv_bytes(llm, int(args.kv_gib * GIB))
     result = RunnerResult(
         engine="vllm", version=f"vllm {vllm.__version__}", threads=args.threads, dtype=args.dtype,
-        num_requests=len(outputs), prompt_tokens=workload.prompt_tokens,
+        num_requests=len(results), prompt_tokens=workload.prompt_tokens,
         generated_tokens=sum(map(len, outputs)), startup_s=startup_s, generate_s=generate_s,
         kv_allocated_bytes=kv_bytes,
+        preemptions=preemption_count(llm) if count_preemptions else None,
         notes=["eager" if args.eager else "torch.compile (default)", f"max_model_len {max_model_len}",
                f"KV size from {kv_source}"],
     )

@@ -128,7 +128,7 @@ class Scheduler:
         num_tokens = min(seq.num_pending - _held_back(seq), state.budget)
         if num_tokens <= 0:
             return
-        while not self.kv.can_append([seq.seq_id], num_tokens):
+        while not self._fits(seq, num_tokens):
             victims = self._pick_victims(seq, state)
             self._preempt(victims, state)
             if seq in victims:
@@ -151,6 +151,14 @@ class Scheduler:
                 return
         for beam in beams:
             self._emit(beam, 1, state)
+
+    def _fits(self, seq: Sequence, num_tokens: int) -> bool:
+        """Can `seq` append num_tokens now? Most decode steps need no new block and no copy:
+        one per-sequence count answers them; the general check (built for groups of sequences,
+        several times the cost, paid for every running sequence every step) runs only when
+        blocks are needed."""
+        return (self.kv.blocks_to_append(seq.seq_id, num_tokens) == 0
+                or self.kv.can_append([seq.seq_id], num_tokens))
 
     def _admit_waiting(self, state: _StepState) -> None:
         while self.waiting and state.budget > 0:

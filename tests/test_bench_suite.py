@@ -1,0 +1,186 @@
+"""The benchmark suite (bench/bench_peers.py --suite): seeded workload generators with the stated
+shapes, the compute floor for n > 1 and shared prefixes, the static-batch budget plan, the CPU
+report, and one quick end-to-end run of pagedgen alone on a tiny model."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+sys.path.insert(1, str(BENCH / "peers"))   # the runners import their helpers as `common`
+
+from peers.common import Workload, check_outputs  # noqa: E402
+from peers.cpu_info import cpu_info  # noqa: E402
+from peers.floor import ModelShape, workload_flops  # noqa: E402
+from peers.run_hf_static import plan_batches  # noqa: E402
+from peers.workload import SUITE, random_workload, suite_specs  # noqa: E402
+
+TOKENS = (3, 8192)   # the bench tokenizer's ids above its special tokens
+MIB = 2**20
+
+
+def suite(quick: bool = False, seed: int = 0) -> dict[str, Workload]:
+    return {s.name: random_workload(s, TOKENS) for s in suite_specs("all", quick, seed)}
+
+
+def test_generators_are_deterministic_and_seeded():
+    for quick in (False, True):
+        first, again, other = suite(quick), suite(quick), suite(quick, seed=1)
+        assert list(first) == list(SUITE)
+        for name, workload in first.items():
+            assert workload == again[name], name
+            assert workload.prompts != other[name].prompts, name
+
+
+def in_range(values, low, high) -> bool:
+    return all(low <= v <= high for v in values)
+
+
+def test_full_scale_shapes():
+    w = suite()
+    w64 = w["w64"]
+    assert len(w64.prompts) == 64 and w64.n == 1 and w64.greedy and w64.kv_bytes is None
+    assert in_range(map(len, w64.prompts), 32, 512) and in_range(w64.max_tokens, 16, 256)
+
+    long = w["long"]
+    assert len(long.prompts) == 16 and set(long.max_tokens) == {64}
+    assert in_range(map(len, long.prompts), 6000, 7500)
+
+    shared = w["shared-prefix"]
+    assert len(shared.prompts) == 128 and set(shared.max_tokens) == {64}
+    assert shared.shared_prefix_len == 1500
+    prefix = shared.prompts[0][:1500]
+    assert all(p[:1500] == prefix for p in shared.prompts)
+    assert in_range((len(p) - 1500 for p in shared.prompts), 50, 200)
+    assert len({tuple(p[1500:]) for p in shared.prompts}) == 128   # own suffixes
+
+    parallel = w["parallel"]
+    assert len(parallel.prompts) == 32 and parallel.n == 8 and parallel.temperature == 1.0
+    assert in_range(map(len, parallel.prompts), 256, 512) and set(parallel.max_tokens) == {128}
+    assert parallel.generated_tokens == 32 * 8 * 128
+    assert parallel.expected_lengths == [128] * 256
+
+    tight = w["tight"]   # w64's requests inside a 128 MiB budget
+    assert tight.prompts == w64.prompts and tight.max_tokens == w64.max_tokens
+    assert tight.kv_bytes == 128 * MIB
+
+    assert len(w["small-job"].prompts) == 8
+    for workload in w.values():
+        assert in_range((t for p in workload.prompts for t in p), TOKENS[0], TOKENS[1] - 1)
+
+
+def test_quick_scale_keeps_each_feature_small():
+    full, quick = suite(), suite(quick=True)
+    for name in SUITE:
+        assert quick[name].prompt_tokens < full[name].prompt_tokens
+        assert (quick[name].n, quick[name].temperature) == (full[name].n, full[name].temperature)
+    assert quick["shared-prefix"].shared_prefix_len > 0
+    assert quick["tight"].kv_bytes is not None and min(map(len, quick["long"].prompts)) >= 1200
+
+
+def test_suite_names_are_checked():
+    assert [s.name for s in suite_specs("tight, long", False, 0)] == ["tight", "long"]
+    with pytest.raises(ValueError, match="unknown.*nope"):
+        suite_specs("w64,nope", False, 0)
+
+
+SHAPE = ModelShape(hidden=8, intermediate=16, layers=2, heads=2, kv_heads=1, head_dim=4, vocab=32)
+
+
+def reference_flops(prompt_lens, gens, n=1, prefix=0) -> float:
+    """Token by token: every computed position p costs 2 x params + attention over p + 1 keys."""
+    def position(p):
+        return 2 * SHAPE.params_per_token + 4 * SHAPE.layers * SHAPE.heads * SHAPE.head_dim * (p + 1)
+    total = sum(position(p) for p in range(prefix))
+    for length, g in zip(prompt_lens, gens):
+        total += sum(position(p) for p in range(prefix, length))
+        total += n * sum(position(p) for p in range(length, length + g - 1))
+        total += n * 2 * SHAPE.hidden * SHAPE.vocab * g
+    return total
+
+
+def test_floor_counts_samples_and_a_shared_prefix_once():
+    plain = Workload([[1] * 5, [1] * 9], [3, 4])
+    assert workload_flops(SHAPE, plain) == pytest.approx(reference_flops([5, 9], [3, 4]))
+    sampled = replace(plain, n=3, temperature=1.0)
+    assert workload_flops(SHAPE, sampled) == pytest.approx(reference_flops([5, 9], [3, 4], n=3))
+    shared = replace(plain, shared_prefix_len=4)
+    assert workload_flops(SHAPE, shared) == pytest.approx(reference_flops([5, 9], [3, 4], prefix=4))
+    assert workload_flops(SHAPE, shared) < workload_flops(SHAPE, plain)
+
+
+def test_outputs_are_checked_flat_with_n_samples():
+    workload = Workload([[1, 2], [3]], [2, 1], n=2, temperature=1.0)
+    check_outputs(workload, [[5, 5], [6, 6], [7], [8]], "engine")
+    with pytest.raises(RuntimeError, match="request 1 sample 1 produced 2 tokens"):
+        check_outputs(workload, [[5, 5], [6, 6], [7], [8, 8]], "engine")
+    with pytest.raises(RuntimeError, match="3 outputs for 2 requests x n=2"):
+        check_outputs(workload, [[5, 5], [6, 6], [7]], "engine")
+
+
+def test_static_batches_fit_the_budget():
+    workload = Workload([[1] * 10] * 5, [6] * 5, n=2)   # 16 positions x 2 rows per request
+    assert plan_batches(workload, 16, budget=10**6, per_token=1) == [slice(0, 5)]
+    assert plan_batches(workload, 2, budget=10**6, per_token=1) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert plan_batches(workload, 16, budget=64, per_token=1) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    with pytest.raises(ValueError, match="request 0 alone needs"):
+        plan_batches(workload, 16, budget=31, per_token=1)
+
+
+def test_cpu_report_reads_model_and_features():
+    info = cpu_info("model name\t: Some CPU 9000\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert info.model == "Some CPU 9000"
+    assert info.features == {"AMX": False, "AVX-512 BF16": True, "AVX-512": True, "AVX2": True}
+    assert "AMX no, AVX-512 BF16 yes" in info.summary()
+
+
+def test_a_workload_budget_goes_to_every_engine(tmp_path):
+    import bench_peers
+
+    args = bench_peers.parse_args(["--suite", "tight,w64", "--kv-gib", "2"])
+    tight, w64 = suite()["tight"], suite()["w64"]
+    for engine in bench_peers.RUNNERS:
+        command = bench_peers.runner_command(engine, Path(sys.executable), args, tmp_path, tight,
+                                             tmp_path / "w.json", tmp_path)
+        assert float(command[command.index("--kv-gib") + 1]) * 2**30 == 128 * MIB
+    command = bench_peers.runner_command("pagedgen", Path(sys.executable), args, tmp_path, w64,
+                                         tmp_path / "w.json", tmp_path)
+    assert float(command[command.index("--kv-gib") + 1]) == 2.0
+    with pytest.raises(SystemExit, match="unknown"):
+        bench_peers.parse_args(["--suite", "w65"])
+
+
+def test_suite_runs_end_to_end_for_pagedgen(tmp_path):
+    """The workload with the most engine features (n = 8 at temperature 1, forks) through the
+    real driver and runner processes, on a tiny model, --quick scale. (All six take ~40 s on a
+    shared 2-core machine: too long for the fast suite.)"""
+    from tiny_models import tiny_model_dir
+
+    model = tiny_model_dir("llama", max_position_embeddings=2048)
+    out = tmp_path / "suite.json"
+    env = dict(os.environ, PAGEDGEN_NATIVE_KERNELS="0")   # no kernel build in a fresh checkout
+    command = [sys.executable, str(BENCH / "bench_peers.py"), "--suite", "parallel", "--quick",
+               "--engines", "pagedgen", "--model", str(model), "--threads", "1", "--dtype", "float32",
+               "--kv-gib", "0.0625", "--work-dir", str(tmp_path / "work"), "--json", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "CPU " in done.stdout and "pagedgen kernel paths: projections" in done.stdout
+    assert "Suite: workload x engine" in done.stdout
+
+    result = json.loads(out.read_text())
+    (entry,) = result["workloads"]
+    assert entry["workload_name"] == "parallel"
+    (run,) = entry["engines"]
+    assert run["status"] == "ok", run
+    assert run["result"]["generated_tokens"] == entry["generated_tokens"] == 4 * 8 * 12
+    assert run["result"]["preemptions"] is not None and run["floor_multiple"] > 1
+    tokens = json.loads((tmp_path / "work" / "parallel" / "pagedgen.tokens.json").read_text())
+    assert len(tokens) == 4 * 8 and all(len(t) == 12 for t in tokens)
+    assert len({tuple(t) for t in tokens}) > 4   # temperature 1: the samples differ
