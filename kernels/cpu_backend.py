@@ -1,7 +1,8 @@
 """Fast CPU paged-KV kernels: the C kernels where they apply, else block gather + SDPA.
 
 Decodes: native.decode_attention reads K/V in place through the tables (float32 and bf16);
-bf16 prefill chunks: native.prefill_attention (AMX flash attention). Otherwise
+bf16 prefill chunks: native.prefill_attention (flash attention on AMX tiles, else with AVX-512
+BF16 where the CPU has it; both read K/V in place through the block table). Otherwise
 index_select + SDPA(enable_gqa=True), which is fast, where repeat_interleave for GQA is far
 slower (bench/FIGURES.md). All decodes go through one padded SDPA call; each prefill chunk gets
 one call with a causal mask shifted by its cached context.
@@ -99,7 +100,8 @@ def paged_attention(
         _attend_decodes(query, k_cache, v_cache, plan, scale, out)
     for chunk in plan.prefills:
         rows = out[chunk.begin:chunk.end]
-        # AMX flash attention where the CPU has it (bf16); SDPA over gathered blocks otherwise.
+        # AMX, else AVX-512 BF16 flash attention where the CPU has it (bf16); SDPA over gathered
+        # blocks otherwise.
         if not native.prefill_attention(query[chunk.begin:chunk.end], k_cache, v_cache,
                                         chunk.blocks, chunk.context_len, scale, rows):
             rows.copy_(_attend_prefill(query, k_cache, v_cache, chunk, plan, scale))

@@ -1,6 +1,7 @@
 """Build-on-first-use loader for the C kernels, one shared library: decode attention
 (cpu_decode_attention.c, cpu_decode_attention_bf16.c), the fused bf16 elementwise ops
-(cpu_fused_ops.c), the KV row store (cpu_store_kv.c) and the skinny AMX GEMM (cpu_gemm_amx.c).
+(cpu_fused_ops.c), the KV row store (cpu_store_kv.c), the skinny AMX GEMM (cpu_gemm_amx.c) and
+prefill attention (cpu_prefill_attention_amx.c, cpu_prefill_attention_avx512.c).
 
 The shared library is compiled once per machine with the system C compiler and cached under
 $PAGEDGEN_CACHE_DIR (default ~/.cache/pagedgen) keyed by a hash of the source, the flags and
@@ -30,7 +31,7 @@ SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_decode_attention.c", "cpu_decode_attention_bf16.c",
                         "cpu_decode_attention_q8.c", "cpu_fused_ops.c",
                         "cpu_store_kv.c", "cpu_store_kv_q8.c", "cpu_gemm_amx.c", "cpu_decode_step.c",
-                        "cpu_prefill_attention_amx.c")]
+                        "cpu_prefill_attention_amx.c", "cpu_prefill_attention_avx512.c")]
 HEADERS = [Path(__file__).with_name(name)  # part of the cache key
            for name in ("cpu_decode_shapes.h", "cpu_team_ops.h", "cpu_decode_scores_amx.h",
                         "cpu_decode_bf16_blocks.h", "cpu_x86_common.h")]
@@ -58,6 +59,11 @@ _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
     "prefill_attention_bf16": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +
                               [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int] * 4 +
                               [ctypes.c_float, ctypes.c_int],
+    "prefill_attention_avx512_bf16": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +
+                                     [ctypes.c_int64] * 2 + [ctypes.c_void_p] +
+                                     [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int],
+    "prefill_attention_supported": [ctypes.c_int] * 3,
+    "prefill_attention_avx512_supported": [ctypes.c_int] * 3,
     "decode_layers_bf16": [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                            ctypes.c_int],
     "rope_bf16": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] +
@@ -205,10 +211,11 @@ def decode_attention_q8(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       blocks: torch.Tensor, context_len: int, scale: float,
                       out: torch.Tensor) -> bool:
-    """Causal attention of one prefill chunk (AMX, bf16): query [q_len, H_q, D] rows at the last
+    """Causal attention of one prefill chunk (bf16): query [q_len, H_q, D] rows at the last
     q_len positions of a context of context_len tokens whose K/V are in the cache blocks
-    `blocks` (int64); writes contiguous `out` [q_len, H_q, D]. False (nothing written) where
-    it does not apply (no AMX, other dtypes or head sizes)."""
+    `blocks` (int64); writes contiguous `out` [q_len, H_q, D]. The AMX kernel where the CPU has
+    AMX, else the AVX-512 BF16 one. False (nothing written) where neither applies (other CPUs,
+    dtypes or head sizes)."""
     library = load()
     if library is None or query.dtype != torch.bfloat16 or not _rows_strided(query):
         return False
@@ -220,11 +227,25 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     block_size = k_cache.shape[1]
     if not 0 < q_len <= context_len <= blocks.numel() * block_size:
         return False
-    status = library.prefill_attention_bf16(
-        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-        blocks.data_ptr(), context_len, q_len, out.data_ptr(), num_q_heads, k_cache.shape[2],
-        head_dim, block_size, scale, torch.get_num_threads())
-    return status == 0
+    args = (query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            blocks.data_ptr(), context_len, q_len, out.data_ptr(), num_q_heads, k_cache.shape[2],
+            head_dim, block_size, scale, torch.get_num_threads())
+    # each returns 1 (nothing written) where its CPU features or the shape do not fit
+    return (library.prefill_attention_bf16(*args) == 0
+            or library.prefill_attention_avx512_bf16(*args) == 0)
+
+
+def prefill_attention_path(num_q_heads: int, num_kv_heads: int, head_dim: int) -> str:
+    """Which kernel runs bf16 prefill attention of this shape here: "AMX", "AVX-512 BF16", or
+    "torch sdpa" (the gather + SDPA fallback)."""
+    library = load()
+    if library is None:
+        return "torch sdpa"
+    if library.prefill_attention_supported(num_q_heads, num_kv_heads, head_dim):
+        return "AMX"
+    if library.prefill_attention_avx512_supported(num_q_heads, num_kv_heads, head_dim):
+        return "AVX-512 BF16"
+    return "torch sdpa"
 
 
 def _supported(query, k_cache, v_cache, block_tables, seq_lens, out) -> bool:

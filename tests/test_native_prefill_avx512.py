@@ -1,0 +1,93 @@
+"""The AVX-512 BF16 prefill attention kernel (kernels/cpu_prefill_attention_avx512.c) against
+the float32 reference, and an engine run with it against the gather + SDPA fallback."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedgen.kernels import native, reference
+
+
+def _has_avx512_bf16() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.is_file() and "avx512_bf16" in cpuinfo.read_text()
+
+
+def _library():
+    return native.load() if _has_avx512_bf16() else None
+
+
+needs_avx512_bf16 = pytest.mark.skipif(_library() is None,
+                                       reason="no AVX-512 BF16 (or no native library) here")
+
+
+def _call_avx512(query, k_cache, v_cache, blocks, context_len, scale, out) -> int:
+    """The AVX-512 entry itself (native.prefill_attention would take AMX first where present)."""
+    q_len, num_q_heads, head_dim = query.shape
+    return _library().prefill_attention_avx512_bf16(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        blocks.data_ptr(), context_len, q_len, out.data_ptr(), num_q_heads, k_cache.shape[2],
+        head_dim, k_cache.shape[1], scale, torch.get_num_threads())
+
+
+def _case(q_len, context_len, q_heads, kv_heads, head_dim, block_size, seed):
+    # blocks out of order with spare ones around, the query a row-strided view of a QKV row
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = -(-context_len // block_size)
+    shape = (num_blocks + 5, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).bfloat16()
+    v_cache = torch.randn(shape, generator=gen).bfloat16()
+    blocks = torch.randperm(num_blocks + 5, generator=gen)[:num_blocks].contiguous()
+    qkv = (2 * torch.randn(q_len, q_heads + 2 * kv_heads, head_dim, generator=gen)).bfloat16()
+    return qkv[:, :q_heads], k_cache, v_cache, blocks
+
+
+def _expected(query, k_cache, v_cache, blocks, context_len, scale):
+    q_len = query.shape[0]
+    return reference.paged_attention(
+        query.float().contiguous(), k_cache.float(), v_cache.float(), blocks[None].int(),
+        torch.tensor([context_len], dtype=torch.int32),
+        torch.tensor([0, q_len], dtype=torch.int32), scale)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("q_len,context_len", [(1, 1), (1, 37), (5, 5), (16, 16), (17, 50),
+                                               (33, 33), (70, 70), (70, 600), (48, 311)])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16), (4, 4, 128, 32), (8, 2, 128, 8), (3, 1, 64, 32), (12, 3, 64, 8)])
+def test_avx512_prefill_matches_reference(q_len, context_len, q_heads, kv_heads, head_dim,
+                                          block_size):
+    query, k_cache, v_cache, blocks = _case(q_len, context_len, q_heads, kv_heads, head_dim,
+                                            block_size, seed=q_len * 1000 + context_len)
+    out = torch.full((q_len, q_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    scale = head_dim ** -0.5
+    assert _call_avx512(query, k_cache, v_cache, blocks, context_len, scale, out) == 0
+    expected = _expected(query, k_cache, v_cache, blocks, context_len, scale)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_avx512_bf16
+def test_avx512_prefill_declines_what_it_does_not_cover():
+    query, k_cache, v_cache, blocks = _case(4, 4, 2, 1, 64, 16, seed=1)
+    out = torch.empty(4, 2, 64, dtype=torch.bfloat16)
+    assert _call_avx512(query, k_cache, v_cache, blocks, 3, 1.0, out) == 1  # q_len > context
+    small = torch.zeros(4, 2, 32, dtype=torch.bfloat16)
+    assert _call_avx512(small, k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous(),
+                        blocks, 4, 1.0, torch.empty_like(small)) == 1  # head_dim 32
+    odd = torch.zeros(4, 3, 64, dtype=torch.bfloat16)
+    two = torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16)
+    assert _call_avx512(odd, two, two, blocks, 4, 1.0, torch.empty_like(odd)) == 1  # 3 % 2
+
+
+@needs_avx512_bf16
+def test_dispatch_reports_the_kernel_that_runs():
+    amx = bool(_library().amx_available())
+    assert native.prefill_attention_path(9, 3, 64) == ("AMX" if amx else "AVX-512 BF16")
+    assert native.prefill_attention_path(4, 2, 32) == "torch sdpa"
+    query, k_cache, v_cache, blocks = _case(20, 90, 9, 3, 64, 16, seed=7)
+    out = torch.empty(20, 9, 64, dtype=torch.bfloat16)
+    assert native.prefill_attention(query, k_cache, v_cache, blocks, 90, 0.125, out)
+    torch.testing.assert_close(out.float(), _expected(query, k_cache, v_cache, blocks, 90, 0.125),
+                               atol=2e-2, rtol=2e-2)
