@@ -91,3 +91,66 @@ def test_dispatch_reports_the_kernel_that_runs():
     assert native.prefill_attention(query, k_cache, v_cache, blocks, 90, 0.125, out)
     torch.testing.assert_close(out.float(), _expected(query, k_cache, v_cache, blocks, 90, 0.125),
                                atol=2e-2, rtol=2e-2)
+
+
+def _head_dim_64_model(tmp_path: Path) -> str:
+    """A tiny llama whose heads the kernel covers: 3 query heads on 1 kv head, head_dim 64."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import hf_config, tiny_tokenizer
+
+    torch.manual_seed(0)
+    config = hf_config("llama")
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 192, 3, 1
+    config.head_dim, config.intermediate_size = 64, 256
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@needs_avx512_bf16
+def test_engine_greedy_outputs_match_the_sdpa_fallback(tmp_path, monkeypatch):
+    # bf16 engine: prompts prefilled in 48-token chunks over their cached context, sharing a
+    # prefix (a prefix-cache hit); the AMX entry switched off so that the AVX-512 kernel runs
+    # on any CPU that has it, then native prefill switched off (gather + SDPA). The random model's
+    # logits are nearly flat, so greedy texts may part where the top two are within bf16 noise
+    # (both paths round differently); up to there they must agree, and the prompt logprobs
+    # (every chunk's attention over its cached context) must agree within bf16 noise.
+    from pagedgen import LLM, SamplingParams
+
+    model = _head_dim_64_model(tmp_path)
+    prefix = [(5 * t) % 200 + 3 for t in range(100)]
+    prompts = [{"prompt_token_ids": prefix + [(7 * t + s) % 200 + 3 for t in range(40 + 30 * s)]}
+               for s in range(3)] + [{"prompt_token_ids": prefix[:37]}]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=0)
+    library = native.load()
+    calls = []
+
+    def counted(*args):
+        calls.append(library.prefill_attention_avx512_bf16(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(library, "prefill_attention_bf16", counted)
+    runs = {}
+    for path in ("avx512", "sdpa"):
+        if path == "sdpa":
+            monkeypatch.setattr(native, "prefill_attention", lambda *args: False)
+        llm = LLM(model, dtype="bfloat16", threads=1, block_size=16, max_num_seqs=4,
+                  max_num_batched_tokens=48)
+        runs[path] = llm.generate(prompts, params, use_tqdm=False)
+    assert calls and all(status == 0 for status in calls)
+    for fast, slow in zip(runs["avx512"], runs["sdpa"]):
+        fast_prompt = [next(iter(p.values())).logprob for p in fast.prompt_logprobs[1:]]
+        slow_prompt = [next(iter(p.values())).logprob for p in slow.prompt_logprobs[1:]]
+        torch.testing.assert_close(torch.tensor(fast_prompt), torch.tensor(slow_prompt),
+                                   atol=0.05, rtol=0.02)
+        a, b = fast.outputs[0], slow.outputs[0]
+        part = _first_divergence(a.token_ids, b.token_ids)
+        if part < len(b.token_ids):  # only at a near tie of the fallback's top two
+            top_two = sorted((lp.logprob for lp in b.logprobs[part].values()), reverse=True)[:2]
+            assert top_two[0] - top_two[1] < 0.05, (part, a.token_ids, b.token_ids)
