@@ -1,10 +1,15 @@
 """Time paged attention: decode (batch 64, context ~300) and prefill (2048 tokens).
 
+Also (CPU, bf16) one prefill chunk of 512 queries at the end of a 6000-token context: the native
+prefill kernel this CPU dispatches to (AMX or AVX-512 BF16) against the gather + SDPA fallback,
+median ms of each and their ratio (`--cases chunk` runs only this one).
+
 SmolLM2-135M shape: 9 query heads, 3 kv heads, head_dim 64, block size 16.
 CPU: cpu_backend (with a per-step plan, and the plan's own cost). CUDA: cpu_backend and the
 Triton kernels, with achieved K/V bandwidth (bytes of K/V read / time).
 
     python bench/bench_attention.py [--threads 1] [--iters 20] [--device cpu|cuda]
+                                    [--cases all|chunk]
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pagedgen.kernels import cpu_backend
+from pagedgen.kernels import cpu_backend, native
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from paged_batch import PagedBatch, make_paged_batch  # noqa: E402  (a test helper)
@@ -35,6 +40,40 @@ def decode_batch(dtype: torch.dtype, device: str) -> PagedBatch:
 def prefill_batch(dtype: torch.dtype, device: str) -> PagedBatch:
     return make_paged_batch([2048], [2048], num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS,
                             head_dim=HEAD_DIM, block_size=BLOCK_SIZE, dtype=dtype, device=device)
+
+
+def chunk_batch() -> PagedBatch:
+    return make_paged_batch([6000], [512], num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS,
+                            head_dim=HEAD_DIM, block_size=BLOCK_SIZE, dtype=torch.bfloat16)
+
+
+def median_ms(fn: Callable[[], object], iters: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def bench_prefill_chunk(iters: int) -> None:
+    """Native prefill kernel vs gather + SDPA, side by side on one chunk over a cached context."""
+    batch = chunk_batch()
+    scale = HEAD_DIM ** -0.5
+    args = batch.attention_args()
+    plan = cpu_backend.plan_attention(*args[3:], BLOCK_SIZE)
+    kernel = native.prefill_attention_path(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)
+    native_ms = median_ms(lambda: cpu_backend.paged_attention(*args, scale, plan=plan), iters)
+    dispatch = native.prefill_attention
+    native.prefill_attention = lambda *a: False  # the fallback cpu_backend runs without it
+    try:
+        sdpa_ms = median_ms(lambda: cpu_backend.paged_attention(*args, scale, plan=plan), iters)
+    finally:
+        native.prefill_attention = dispatch
+    name = "prefill chunk 512/6000 bf16"
+    print(f"{name:28s} {kernel:12s} {native_ms:8.1f} ms   gather+SDPA {sdpa_ms:8.1f} ms   "
+          f"ratio {sdpa_ms / native_ms:5.2f}x (median of {iters})")
 
 
 def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
@@ -79,9 +118,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--cases", choices=("all", "chunk"), default="all")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     print(f"device={opts.device} torch threads={torch.get_num_threads()} iters={opts.iters}")
+    if opts.device == "cpu":
+        bench_prefill_chunk(opts.iters)
+    if opts.cases == "chunk":
+        return
     for dtype in (torch.bfloat16, torch.float32):
         tag = str(dtype).removeprefix("torch.")
         bench_case(f"decode B=64 ctx~300 {tag}", decode_batch(dtype, opts.device), opts.iters,

@@ -120,7 +120,7 @@ def _prefill_supported() -> bool:
 
 
 needs_amx_prefill = pytest.mark.skipif(not _prefill_supported(),
-                                       reason="no AMX prefill attention here")
+                                       reason="no native prefill attention here")
 
 
 @needs_amx_prefill

@@ -17,6 +17,8 @@ from common import (  # noqa: E402
 def kernel_paths(llm) -> list[str]:
     """The compute paths pagedgen dispatched to on this CPU (what start-up packing and the
     native library's checks chose), so that a figure can be read with the path behind it."""
+    import torch
+
     from pagedgen.kernels import native
 
     model = llm.runner.model
@@ -26,13 +28,15 @@ def kernel_paths(llm) -> list[str]:
                   layer.mlp.gate_up_packed, layer.mlp.down_packed))
     head = model.lm_head_packed
     library = native.load()
-    amx = bool(library is not None and library.amx_available())
+    config = llm.loaded.config
+    prefill = (native.prefill_attention_path(config.num_heads, config.num_kv_heads, config.head_dim)
+               if llm.loaded.dtype == torch.bfloat16 else "torch sdpa")
     return [
         "projections " + ", ".join(f"{kind} x{count}" for kind, count in projections.items()),
         f"LM head {'F.linear' if head is None else head.kind}",
         "decode layers: one fused native call per step" if model.fused_decode is not None
         else "decode layers: layer by layer",
-        ("attention: native C decode" + (", AMX prefill" if amx else ", torch sdpa prefill"))
+        f"attention: native C decode, {prefill} prefill"
         if library is not None else "attention: torch (no native library)",
     ]
 
