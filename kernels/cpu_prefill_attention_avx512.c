@@ -62,11 +62,25 @@ static const uint16_t pair_lanes[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21
                                         8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
                                         15, 31};
 
-ALWAYS_INLINE const uint16_t *cache_row(const Chunk *c, const uint16_t *cache, int64_t key,
-                                        int kv) {
-    if (key >= c->context_len) return zero_row;
-    const int64_t block = c->table[key / c->block_size], offset = key % c->block_size;
-    return cache + ((block * c->block_size + offset) * c->num_kv_heads + kv) * c->head_dim;
+/* The K and V rows of keys key0 .. key0 + KEYS - 1 of kv head `kv` (block and offset stepped
+ * along: a division per key cost a noticeable share of the step). */
+static void key_rows(const Chunk *c, int64_t key0, int kv, const uint16_t **k_rows,
+                     const uint16_t **v_rows) {
+    int64_t block = key0 / c->block_size, offset = key0 % c->block_size;
+    for (int k = 0; k < KEYS; k++) {
+        if (key0 + k >= c->context_len) {
+            k_rows[k] = v_rows[k] = zero_row;
+        } else {
+            const int64_t at =
+                ((c->table[block] * c->block_size + offset) * c->num_kv_heads + kv) * c->head_dim;
+            k_rows[k] = c->k_cache + at;
+            v_rows[k] = c->v_cache + at;
+        }
+        if (++offset == c->block_size) {
+            offset = 0;
+            block++;
+        }
+    }
 }
 
 ALWAYS_INLINE uint32_t pair_at(const uint16_t *row, int p) {
@@ -185,10 +199,7 @@ ALWAYS_INLINE void attend_item(const Chunk *c, int kv, int64_t row0, Scratch *s,
     }
     const uint16_t *k_rows[KEYS], *v_rows[KEYS];
     for (int64_t key0 = 0; key0 <= last_key; key0 += KEYS) {
-        for (int k = 0; k < KEYS; k++) {
-            k_rows[k] = cache_row(c, c->k_cache, key0 + k, kv);
-            v_rows[k] = cache_row(c, c->v_cache, key0 + k, kv);
-        }
+        key_rows(c, key0, kv, k_rows, v_rows);
         pack_value_pairs(v_rows, s->v_pairs, D);
         for (int h = 0; h < group; h++)
             attend_keys(s->q + (int64_t)h * D / 2 * 16, k_rows, s->v_pairs, key0, first_pos,
