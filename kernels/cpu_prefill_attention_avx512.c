@@ -6,7 +6,8 @@
  * The chunk's q_len queries sit at positions context_len - q_len .. context_len - 1 of a
  * sequence whose K/V (context_len tokens, the chunk's own included) are in the paged cache,
  * read in place through the block table (no gathered copy). A work item is one kv head's group
- * of query heads for 16 query rows; it walks the keys in steps of 16 up to its causal limit.
+ * of query heads (or part of it, when whole groups would leave threads idle) for 16 query rows;
+ * it walks the keys in steps of 16 up to its causal limit.
  * Everything is kept transposed, with the 16 query rows in the 16 float32 lanes:
  *   - S^T = K Q^T: per key one vector of 16 scores, from the query block packed as dim pairs
  *     (lane r = q_r[2p], q_r[2p + 1]) times the key's pair broadcast from the cache row;
@@ -39,13 +40,14 @@ typedef struct {
     int64_t q_stride, context_len, q_len;
     int num_q_heads, num_kv_heads, head_dim, block_size;
     float scale;
+    int heads_per_item; /* a divisor of the group (query heads per kv head) */
 } Chunk;
 
-/* One thread's state for a work item (group = query heads per kv head). */
+/* One thread's state for a work item of `heads` (heads_per_item) query heads. */
 typedef struct {
-    float *out;       /* [group][head_dim][16]: O^T, unnormalised */
-    uint32_t *q;      /* [group][head_dim / 2][16]: query dim pairs per row */
-    __m512 *max, *sum; /* [group]: raw-score maxima and sums of p per row */
+    float *out;       /* [heads][head_dim][16]: O^T, unnormalised */
+    uint32_t *q;      /* [heads][head_dim / 2][16]: query dim pairs per row */
+    __m512 *max, *sum; /* [heads]: raw-score maxima and sums of p per row */
     uint32_t *v_pairs; /* [KEYS / 2][head_dim]: (V[2i][d], V[2i + 1][d]) of the step's keys */
 } Scratch;
 
@@ -90,11 +92,11 @@ ALWAYS_INLINE uint32_t pair_at(const uint16_t *row, int p) {
 }
 
 /* The rows of the item's query heads, as dim pairs with the rows in lanes (zero past q_len). */
-static void pack_queries(const Chunk *c, int kv, int64_t row0, int64_t rows, Scratch *s) {
-    const int group = c->num_q_heads / c->num_kv_heads, pairs = c->head_dim / 2;
-    for (int h = 0; h < group; h++) {
+static void pack_queries(const Chunk *c, int first_head, int64_t row0, int64_t rows, Scratch *s) {
+    const int pairs = c->head_dim / 2;
+    for (int h = 0; h < c->heads_per_item; h++) {
         uint32_t *dst = s->q + (int64_t)h * pairs * 16;
-        const int head = kv * group + h;
+        const int head = first_head + h;
         for (int r = 0; r < 16; r++) {
             const uint16_t *src = c->q + (row0 + r) * c->q_stride + (int64_t)head * c->head_dim;
             for (int p = 0; p < pairs; p++) dst[p * 16 + r] = r < rows ? pair_at(src, p) : 0;
@@ -185,15 +187,15 @@ static void write_rows(const Chunk *c, int head, int64_t row0, int64_t rows, con
     }
 }
 
-/* 16 query rows (from `row0`) of every query head of kv head `kv`. */
-ALWAYS_INLINE void attend_item(const Chunk *c, int kv, int64_t row0, Scratch *s, int D) {
-    const int group = c->num_q_heads / c->num_kv_heads;
+/* 16 query rows (from `row0`) of query heads first_head .. + heads_per_item (one kv head's). */
+ALWAYS_INLINE void attend_item(const Chunk *c, int first_head, int64_t row0, Scratch *s, int D) {
+    const int heads = c->heads_per_item, kv = first_head / (c->num_q_heads / c->num_kv_heads);
     const int64_t rows = c->q_len - row0 < 16 ? c->q_len - row0 : 16;
     const int64_t first_pos = c->context_len - c->q_len + row0;
     const int64_t last_key = first_pos + rows - 1; /* causal limit of the item's last row */
-    pack_queries(c, kv, row0, rows, s);
-    memset(s->out, 0, sizeof(float) * group * D * 16);
-    for (int h = 0; h < group; h++) {
+    pack_queries(c, first_head, row0, rows, s);
+    memset(s->out, 0, sizeof(float) * heads * D * 16);
+    for (int h = 0; h < heads; h++) {
         s->max[h] = _mm512_set1_ps(-FLT_MAX); /* key 0 is seen by every row: replaced at once */
         s->sum[h] = _mm512_setzero_ps();
     }
@@ -201,32 +203,41 @@ ALWAYS_INLINE void attend_item(const Chunk *c, int kv, int64_t row0, Scratch *s,
     for (int64_t key0 = 0; key0 <= last_key; key0 += KEYS) {
         key_rows(c, key0, kv, k_rows, v_rows);
         pack_value_pairs(v_rows, s->v_pairs, D);
-        for (int h = 0; h < group; h++)
+        for (int h = 0; h < heads; h++)
             attend_keys(s->q + (int64_t)h * D / 2 * 16, k_rows, s->v_pairs, key0, first_pos,
                         c->scale, &s->max[h], &s->sum[h], s->out + (int64_t)h * D * 16, D);
     }
-    for (int h = 0; h < group; h++)
-        write_rows(c, kv * group + h, row0, rows, s->out + (int64_t)h * D * 16, s->sum[h]);
+    for (int h = 0; h < heads; h++)
+        write_rows(c, first_head + h, row0, rows, s->out + (int64_t)h * D * 16, s->sum[h]);
 }
 
-static void attend_item_64(const Chunk *c, int kv, int64_t row0, Scratch *s) {
-    attend_item(c, kv, row0, s, 64);
+static void attend_item_64(const Chunk *c, int first_head, int64_t row0, Scratch *s) {
+    attend_item(c, first_head, row0, s, 64);
 }
 
-static void attend_item_128(const Chunk *c, int kv, int64_t row0, Scratch *s) {
-    attend_item(c, kv, row0, s, 128);
+static void attend_item_128(const Chunk *c, int first_head, int64_t row0, Scratch *s) {
+    attend_item(c, first_head, row0, s, 128);
+}
+
+/* Whole groups share each K/V row across their heads; split them only as far as needed for two
+ * items per thread (a short chunk with few kv heads would leave threads idle). */
+static int heads_per_item(int group, int64_t groups_of_rows, int threads) {
+    for (int heads = group; heads > 1; heads--)
+        if (group % heads == 0 && groups_of_rows * (group / heads) >= 2 * (int64_t)threads)
+            return heads;
+    return 1;
 }
 
 /* One allocation per thread; returns it (to free), NULL when out of memory. */
-static void *make_scratch(int group, int head_dim, Scratch *s) {
-    const size_t out = (size_t)group * head_dim * 16 * 4, q = (size_t)group * head_dim / 2 * 16 * 4;
-    const size_t stats = (size_t)group * 64 * 2, pairs = (size_t)KEYS / 2 * head_dim * 4;
+static void *make_scratch(int heads, int head_dim, Scratch *s) {
+    const size_t out = (size_t)heads * head_dim * 16 * 4, q = (size_t)heads * head_dim / 2 * 16 * 4;
+    const size_t stats = (size_t)heads * 64 * 2, pairs = (size_t)KEYS / 2 * head_dim * 4;
     char *buffer = aligned_alloc(64, out + q + stats + pairs); /* each a multiple of 64 */
     if (buffer == NULL) return NULL;
     s->out = (float *)buffer;
     s->q = (uint32_t *)(buffer + out);
     s->max = (__m512 *)(buffer + out + q);
-    s->sum = s->max + group;
+    s->sum = s->max + heads;
     s->v_pairs = (uint32_t *)(buffer + out + q + stats);
     return buffer;
 }
@@ -246,16 +257,21 @@ int prefill_attention_avx512_bf16(const uint16_t *q, int64_t q_stride, const uin
     if (!prefill_attention_avx512_supported(num_q_heads, num_kv_heads, head_dim) || q_len < 1 ||
         q_len > context_len)
         return 1;
+    const int threads = num_threads < 1 ? 1 : num_threads;
+    const int64_t row_blocks = (q_len + 15) / 16;
+    const int group = num_q_heads / num_kv_heads;
     const Chunk c = {q, k_cache, v_cache, table, out, q_stride, context_len, q_len,
-                     num_q_heads, num_kv_heads, head_dim, block_size, scale};
+                     num_q_heads, num_kv_heads, head_dim, block_size, scale,
+                     heads_per_item(group, row_blocks * num_kv_heads, threads)};
     void (*attend)(const Chunk *, int, int64_t, Scratch *) =
         head_dim == 64 ? attend_item_64 : attend_item_128;
-    const int64_t row_blocks = (q_len + 15) / 16, items = row_blocks * num_kv_heads;
+    const int parts = num_q_heads / c.heads_per_item; /* head sets across all kv heads */
+    const int64_t items = row_blocks * parts;
     int failed = 0; /* a thread without its scratch: rows left unwritten, so report it */
-#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
+#pragma omp parallel num_threads(threads)
     {
         Scratch scratch;
-        void *buffer = make_scratch(num_q_heads / num_kv_heads, head_dim, &scratch);
+        void *buffer = make_scratch(c.heads_per_item, head_dim, &scratch);
         if (buffer == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -264,8 +280,8 @@ int prefill_attention_avx512_bf16(const uint16_t *q, int64_t q_stride, const uin
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++)
             if (buffer != NULL)
-                attend(&c, (int)(item % num_kv_heads),
-                       16 * (row_blocks - 1 - item / num_kv_heads), &scratch);
+                attend(&c, (int)(item % parts) * c.heads_per_item,
+                       16 * (row_blocks - 1 - item / parts), &scratch);
         free(buffer);
     }
     return failed;

@@ -23,13 +23,13 @@ needs_avx512_bf16 = pytest.mark.skipif(_library() is None,
                                        reason="no AVX-512 BF16 (or no native library) here")
 
 
-def _call_avx512(query, k_cache, v_cache, blocks, context_len, scale, out) -> int:
+def _call_avx512(query, k_cache, v_cache, blocks, context_len, scale, out, threads=None) -> int:
     """The AVX-512 entry itself (native.prefill_attention would take AMX first where present)."""
     q_len, num_q_heads, head_dim = query.shape
     return _library().prefill_attention_avx512_bf16(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         blocks.data_ptr(), context_len, q_len, out.data_ptr(), num_q_heads, k_cache.shape[2],
-        head_dim, k_cache.shape[1], scale, torch.get_num_threads())
+        head_dim, k_cache.shape[1], scale, threads or torch.get_num_threads())
 
 
 def _case(q_len, context_len, q_heads, kv_heads, head_dim, block_size, seed):
@@ -66,6 +66,22 @@ def test_avx512_prefill_matches_reference(q_len, context_len, q_heads, kv_heads,
     assert _call_avx512(query, k_cache, v_cache, blocks, context_len, scale, out) == 0
     expected = _expected(query, k_cache, v_cache, blocks, context_len, scale)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("threads", [2, 5, 16])
+@pytest.mark.parametrize("q_len,context_len,q_heads,kv_heads", [(1, 200, 9, 3), (20, 300, 12, 3),
+                                                                (40, 90, 8, 2), (3, 3, 4, 4)])
+def test_avx512_prefill_splits_groups_across_threads(threads, q_len, context_len, q_heads,
+                                                     kv_heads):
+    # few row blocks for the threads: an item takes part of a kv head's group of query heads
+    query, k_cache, v_cache, blocks = _case(q_len, context_len, q_heads, kv_heads, 64, 16,
+                                            seed=threads + q_len)
+    out = torch.full((q_len, q_heads, 64), float("nan"), dtype=torch.bfloat16)
+    assert _call_avx512(query, k_cache, v_cache, blocks, context_len, 0.125, out, threads) == 0
+    torch.testing.assert_close(out.float(),
+                               _expected(query, k_cache, v_cache, blocks, context_len, 0.125),
+                               atol=2e-2, rtol=2e-2)
 
 
 @needs_avx512_bf16
