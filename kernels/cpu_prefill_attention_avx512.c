@@ -159,7 +159,8 @@ ALWAYS_INLINE void attend_keys(const uint32_t *q, const uint16_t *const *k_rows,
     *sum = _mm512_fmadd_ps(*sum, alpha, block_sum);
     for (int d0 = 0; d0 < D; d0 += 16) {
         __m512 acc[16];
-        for (int j = 0; j < 16; j++) acc[j] = _mm512_mul_ps(_mm512_load_ps(out + (d0 + j) * 16), alpha);
+        for (int j = 0; j < 16; j++)
+            acc[j] = _mm512_mul_ps(_mm512_load_ps(out + (d0 + j) * 16), alpha);
         for (int i = 0; i < KEYS / 2; i++)
 #pragma GCC unroll 16
             for (int j = 0; j < 16; j++)

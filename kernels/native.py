@@ -31,7 +31,8 @@ SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_decode_attention.c", "cpu_decode_attention_bf16.c",
                         "cpu_decode_attention_q8.c", "cpu_fused_ops.c",
                         "cpu_store_kv.c", "cpu_store_kv_q8.c", "cpu_gemm_amx.c", "cpu_decode_step.c",
-                        "cpu_prefill_attention_amx.c", "cpu_prefill_attention_avx512.c")]
+                        "cpu_prefill_attention_amx.c",
+                        "cpu_prefill_attention_avx512.c")]
 HEADERS = [Path(__file__).with_name(name)  # part of the cache key
            for name in ("cpu_decode_shapes.h", "cpu_team_ops.h", "cpu_decode_scores_amx.h",
                         "cpu_decode_bf16_blocks.h", "cpu_x86_common.h")]
