@@ -35,14 +35,16 @@ class LLM:
     vLLM's name) or kv_memory (bytes for the pool; neither: 1 GiB on CPU, a share of free
     memory on CUDA), max_num_seqs, max_num_batched_tokens, max_model_len (default: the model's
     max_position_embeddings capped by the pool's capacity), enable_prefix_caching, seed (for
-    unseeded requests), threads (torch.set_num_threads; None leaves torch's choice)."""
+    unseeded requests), threads (torch.set_num_threads; None leaves torch's choice),
+    batch_invariant (each request's output bitwise independent of what shares its batches,
+    of prompt chunking and preemption: README "Same answer whatever the batch")."""
 
     def __init__(self, model: str | None = None, *, dtype: str | torch.dtype | None = None,
                  device: str | None = None, block_size: int = 16, num_blocks: int | None = None,
                  num_gpu_blocks: int | None = None, kv_memory: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 seed: int = 0, threads: int | None = None) -> None:
+                 seed: int = 0, threads: int | None = None, batch_invariant: bool = False) -> None:
         _set_threads(threads)
         require_int("block_size", block_size)
         # Checked before the (slow) model load, so that a typo fails at once.
@@ -51,7 +53,7 @@ class LLM:
         num_blocks, kv_memory = _pool_size(num_blocks, num_gpu_blocks, kv_memory, device)
         self.loaded = load_model(model, None if dtype == "auto" else dtype, device)
         self.runner = ModelRunner(self.loaded, block_size, num_blocks=num_blocks,
-                                  kv_memory_bytes=kv_memory)
+                                  kv_memory_bytes=kv_memory, batch_invariant=batch_invariant)
         self.max_model_len = _resolve_max_model_len(
             max_model_len, self.loaded.config.max_position_embeddings, self.runner.num_blocks * block_size)
         config = EngineConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len,

@@ -6,6 +6,7 @@ from types import ModuleType
 import torch
 
 from pagedgen.kernels import get_ops
+from pagedgen.kernels.invariant_attention import InvariantOps
 from pagedgen.model.layers.attention import StepMetadata, build_step_metadata
 from pagedgen.model.runtime.batch import FlatBatch, ScheduledChunk, build_flat_batch
 from pagedgen.model.runtime.cpu_malloc import keep_freed_memory
@@ -18,8 +19,10 @@ __all__ = ["ModelRunner", "ScheduledChunk"]
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, block_size: int, num_blocks: int | None = None,
                  kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None,
-                 kernels: ModuleType | None = None) -> None:
-        """kernels: override the device's kernel module (tests run triton_ops interpreted on CPU)."""
+                 kernels: ModuleType | None = None, batch_invariant: bool = False) -> None:
+        """kernels: override the device's kernel module (tests run triton_ops interpreted on CPU).
+        batch_invariant: each row's logits bitwise independent of the rest of the batch and of
+        the prefill chunking (row-tiled projections, kernels/invariant_attention.py)."""
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.model = loaded.model
@@ -27,13 +30,18 @@ class ModelRunner:
         self.dtype, self.device = loaded.dtype, torch.device(loaded.device)
         self.block_size = block_size
         self.ops = kernels or get_ops(self.device)  # Triton kernels on CUDA, torch ops on CPU
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            self.ops = InvariantOps(self.ops)
         self.num_blocks = resolve_num_blocks(
             bytes_per_token=self.config.kv_bytes_per_token(self.dtype), block_size=block_size,
             device=self.device, num_blocks=num_blocks, kv_memory_bytes=kv_memory_bytes,
             kv_memory_fraction=kv_memory_fraction)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model.pack_weights()
+        self.model.pack_weights(batch_invariant=batch_invariant)
         self.kv_cache = allocate_kv_cache(self.config.num_layers, self.num_blocks, block_size,
                                           self.config.num_kv_heads, self.config.head_dim,
                                           self.dtype, self.device)
