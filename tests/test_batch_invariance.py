@@ -110,3 +110,16 @@ def test_the_default_path_is_not_batch_invariant():
     chunked = _run(_llm(batch_invariant=False, max_num_batched_tokens=5, max_num_seqs=5),
                    [3, 0, 5, 1, 4, 2])
     assert any(chunked[i] != alone[i] for i in alone)
+
+
+def test_the_switch_reaches_the_runner_from_yaml_and_the_flag():
+    from pagedgen.cli.config import ConfigError, load_config
+    from pagedgen.cli.run_job import build_llm
+
+    config = load_config(None, [("--batch-invariant", {"batch_invariant": True}),
+                                ("--model", {"model": str(tiny_model_dir())}),
+                                ("--num-blocks", {"num_blocks": 16})])
+    assert build_llm(config).runner.batch_invariant
+    assert not load_config().batch_invariant
+    with pytest.raises(ConfigError, match="batch_invariant"):
+        load_config(None, [("--set batch_invariant=maybe", {"batch_invariant": "maybe"})])

@@ -57,6 +57,7 @@ class RunConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     threads: int | None = None
+    batch_invariant: bool = False    # README "Same answer whatever the batch"
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -126,6 +127,7 @@ _ENGINE_CHECKS: dict[str, Callable[[Any], Any]] = {
     "enable_prefix_caching": _bool,
     "seed": int_at_least(0),
     "threads": _optional(int_at_least(1)),
+    "batch_invariant": _bool,
 }
 
 _OUTPUT_CHECKS: dict[str, Callable[[Any], Any]] = {
