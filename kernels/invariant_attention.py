@@ -1,9 +1,16 @@
 """Batch-invariant paged attention: each query row's bits depend only on its own keys.
 
-The fast kernels pick their split over keys and their GEMM shapes from the step (decode
-kernel vs flash prefill, how many queries share a call), so the same token can come out
-with different last bits in a decode step and in a prefill chunk. Here every row is computed
-by the same sequence of operations whatever shares the step:
+The fast path splits the step by kind (the decode kernel for one-token sequences, a flash
+kernel or SDPA for prefill chunks), so the same token can come out with other last bits in a
+decode step than in a prefill chunk, and with other chunk boundaries. Here EVERY query row,
+prefill or decode, is attended as a decode of its own: keys 0..its position, read through its
+sequence's block table. The native decode kernel (cpu_decode_attention*.c) computes each such
+row in one thread, keys in order, with no split that depends on the other rows; so a row's
+bits depend on its query and keys alone, not on the step, the chunking or the thread count's
+split of the work.
+
+Where the native kernel does not apply, a torch path gives the same guarantee (not the same
+bits as the native kernel):
 - scores and P@V are batched GEMMs whose every item has one fixed shape per model
   ([group, head_dim] @ [head_dim, block] and [group, block] @ [block, head_dim]): measured on
   CPU (MKL, float32), a batched item's result does not depend on the batch count or its
@@ -11,13 +18,15 @@ by the same sequence of operations whatever shares the step:
 - the softmax max is taken over the row's visible keys (max is exact in any order);
 - sums over keys and blocks are cumsums (a sequential float64 scan on CPU), so blocks past
   the row's last key, which add exact zeros, leave the result unchanged.
-Queries are processed in row tiles only to bound memory; tiling never changes a row's bits.
+Its queries are processed in row tiles only to bound memory; tiling never changes a row's bits.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from . import native
 
 TILE_ELEMENTS = 1 << 22  # gathered K (float32) per row tile: bounds memory, not results
 
@@ -35,15 +44,18 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     seq_of_row = torch.repeat_interleave(torch.arange(q_lens.numel(), device=query.device), q_lens)
     offsets = torch.arange(tokens, device=query.device) - starts[:-1][seq_of_row]
     visible = (seq_lens.long() - q_lens)[seq_of_row] + offsets + 1  # keys 0..position
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    tables = block_tables.long().index_select(0, seq_of_row)
+    if native.decode_attention(query, k_cache, v_cache, tables, visible, scale, out):
+        return out
     blocks_needed = (visible + block_size - 1) // block_size
-    out = torch.empty_like(query)
     per_row = int(blocks_needed.max()) * block_size * num_kv_heads * head_dim if tokens else 1
     tile = max(1, TILE_ELEMENTS // per_row)
     for begin in range(0, tokens, tile):
         rows = slice(begin, min(begin + tile, tokens))
         width = int(blocks_needed[rows].max())
-        tables = block_tables.long()[seq_of_row[rows], :width]
-        out[rows] = _attend_rows(query[rows], k_cache, v_cache, tables, visible[rows], scale)
+        out[rows] = _attend_rows(query[rows], k_cache, v_cache, tables[rows, :width],
+                                 visible[rows], scale)
     return out
 
 

@@ -8,7 +8,7 @@ import torch
 from tiny_models import tiny_model_dir
 
 from pagedgen import LLM, SamplingParams
-from pagedgen.kernels import reference
+from pagedgen.kernels import invariant_attention, reference
 from pagedgen.kernels.invariant_attention import paged_attention
 from pagedgen.kernels.paged_batch import make_paged_batch
 from pagedgen.model.layers.row_tiles import in_row_tiles
@@ -75,8 +75,20 @@ def test_preemption_by_recompute_changes_no_bit(alone):
     assert llm.stats["preemptions"] > 0
 
 
-def test_invariant_attention_matches_the_reference_and_each_row_alone():
-    torch.manual_seed(0)
+def test_the_torch_attention_path_is_invariant_too(monkeypatch):
+    """Where the native decode kernel does not apply: alone == chunked and preempted."""
+    monkeypatch.setattr(invariant_attention.native, "decode_attention", lambda *args: False)
+    single = _llm(enable_prefix_caching=False)
+    alone = {i: _run(single, [i])[i] for i in range(len(PROMPTS))}
+    llm = _llm(num_blocks=14, max_num_batched_tokens=5, max_num_seqs=5)
+    assert _run(llm, [3, 0, 5, 1, 4, 2]) == alone
+    assert llm.stats["preemptions"] > 0
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_invariant_attention_matches_the_reference_and_each_row_alone(path, monkeypatch):
+    if path == "torch":
+        monkeypatch.setattr(invariant_attention.native, "decode_attention", lambda *args: False)
     batch = make_paged_batch([37, 5, 64, 20], [1, 5, 30, 1], num_q_heads=6, num_kv_heads=2,
                              head_dim=16, block_size=4, dtype=torch.bfloat16)
     got = paged_attention(*batch.attention_args(), 0.25)
