@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-ROWS = 128  # one tile covers a decode step of up to 128 sequences; prefills take several
+ROWS = 64  # decode steps of up to 64 sequences pad to one tile; see README for the cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,11 +28,24 @@ class RowTiled:
 
 def in_row_tiles(project: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                  rows: int) -> torch.Tensor:
-    """project(x) computed on row tiles of exactly `rows` rows, padded with zero rows."""
+    """project(x) computed on row tiles of exactly `rows` rows, the last one zero-padded."""
     count = x.shape[0]
-    padded = -(-max(count, 1) // rows) * rows
-    if padded != count:
-        x = torch.cat((x, x.new_zeros(padded - count, *x.shape[1:])))
-    if padded == rows:
-        return project(x)[:count]
-    return torch.cat([project(x[begin:begin + rows]) for begin in range(0, padded, rows)])[:count]
+    if count == rows:
+        return project(x)
+    if count < rows:
+        return project(_zero_padded(x, rows))[:count]
+    whole = count // rows * rows
+    first = project(x[:rows])
+    out = first.new_empty(count, *first.shape[1:])
+    out[:rows] = first
+    for begin in range(rows, whole, rows):
+        out[begin:begin + rows] = project(x[begin:begin + rows])
+    if whole < count:
+        out[whole:] = project(_zero_padded(x[whole:], rows))[:count - whole]
+    return out
+
+
+def _zero_padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    padded = x.new_zeros(rows, *x.shape[1:])
+    padded[:x.shape[0]] = x
+    return padded
