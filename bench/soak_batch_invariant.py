@@ -43,7 +43,7 @@ def write_requests(path: Path, count: int, seed: int) -> None:
 def run(inputs: Path, output: Path, args, num_blocks: int, extra=(), kill_after=None) -> str:
     command = [sys.executable, "-m", "pagedgen", "run", str(inputs), "--output", str(output),
                "--num-blocks", str(num_blocks), "--threads", str(args.threads), "-q",
-               "--no-report", *extra] + (["--batch-invariant"] if not args.default_path else [])
+               *extra] + (["--batch-invariant"] if not args.default_path else [])
     start = time.perf_counter()
     if kill_after is None:
         subprocess.run(command, check=True)
@@ -80,6 +80,8 @@ def main() -> None:
             path.unlink()
     print("roomy pool:", run(inputs, outs["roomy"], args, args.roomy_blocks), flush=True)
     print("small pool:", run(inputs, outs["small"], args, args.small_blocks), flush=True)
+    report = json.loads((args.workdir / "small.report" / "memory_report.json").read_text())
+    print("small pool preemptions:", report["summary"]["preemptions"], flush=True)
     print("small pool, interrupted:", run(inputs, outs["resumed"], args, args.small_blocks,
                                           kill_after=args.kill_after), flush=True)
     print("small pool, resumed:", run(inputs, outs["resumed"], args, args.small_blocks,
