@@ -41,7 +41,9 @@ class LLM:
     unseeded requests), threads (torch.set_num_threads; None leaves torch's choice), tokenizer
     (a folder whose tokenizer replaces the model's own; for a GGUF file it must have the file's
     vocabulary), kv_cache_dtype ("auto": the model's dtype; "int8", "fp8_e4m3", "fp8_e5m2":
-    8-bit codes with per-block scales, about half the bytes per token of bf16)."""
+    8-bit codes with per-block scales, about half the bytes per token of bf16), batch_invariant
+    (each request's output bitwise independent of what shares its batches, of prompt chunking
+    and preemption: README "Same answer whatever the batch")."""
 
     def __init__(self, model: str | None = None, *, dtype: str | torch.dtype | None = None,
                  device: str | None = None, block_size: int = 16, num_blocks: int | None = None,
@@ -49,13 +51,13 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  seed: int = 0, threads: int | None = None, tokenizer: str | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", batch_invariant: bool = False) -> None:
         _set_threads(threads)
         # Checked before the (slow) model load, so that a typo fails at once.
         config = EngineConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
                               enable_prefix_caching, seed, block_size,
                               _one_block_count(num_blocks, num_gpu_blocks), kv_memory,
-                              kv_cache_dtype)
+                              kv_cache_dtype, batch_invariant)
         kv_format(kv_cache_dtype)  # a bad name fails before the (slow) model load
         self.loaded = load_model(model, None if dtype == "auto" else dtype, resolve_device(device),
                                  tokenizer)

@@ -39,7 +39,8 @@ _ENGINE_FLAGS = {"--model": "model", "--dtype": "dtype", "--kv-cache-dtype": "kv
                  "--num-blocks": "num_blocks", "--max-num-seqs": "max_num_seqs",
                  "--max-num-batched-tokens": "max_num_batched_tokens",
                  "--max-model-len": "max_model_len", "--prefix-caching": "enable_prefix_caching",
-                 "--seed": "seed", "--threads": "threads", "--max-line-bytes": "max_line_bytes"}
+                 "--seed": "seed", "--threads": "threads", "--max-line-bytes": "max_line_bytes",
+                 "--batch-invariant": "batch_invariant"}
 _SAMPLING_FLAGS = {"--max-tokens": "max_tokens", "--temperature": "temperature",
                    "--top-p": "top_p", "--top-k": "top_k", "--n": "n"}
 _OUTPUT_FLAGS = {"--output": "path", "--errors": "errors_path", "--report-dir": "report_dir",
@@ -173,6 +174,9 @@ def run(
     prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching"),
     seed: Optional[int] = typer.Option(None, "--seed"),
     threads: Optional[int] = typer.Option(None, "--threads"),
+    batch_invariant: Optional[bool] = typer.Option(
+        None, "--batch-invariant/--no-batch-invariant",
+        help="Same output bits for a request whatever shares its batches (slower)."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Default max_tokens."),
     temperature: Optional[float] = typer.Option(None, "--temperature"),
     top_p: Optional[float] = typer.Option(None, "--top-p"),
@@ -202,6 +206,7 @@ def run(
              "--kv-memory": kv_memory, "--num-blocks": num_blocks, "--max-num-seqs": max_num_seqs,
              "--max-num-batched-tokens": max_num_batched_tokens, "--max-model-len": max_model_len,
              "--prefix-caching": prefix_caching, "--seed": seed, "--threads": threads,
+             "--batch-invariant": batch_invariant,
              "--max-tokens": max_tokens, "--temperature": temperature, "--top-p": top_p,
              "--top-k": top_k, "--n": n, "--output": output, "--errors": errors,
              "--report-dir": report_dir, "--ordered": ordered, "--max-line-bytes": max_line_bytes,
@@ -261,6 +266,9 @@ def profile(
     max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     threads: Optional[int] = typer.Option(None, "--threads"),
+    batch_invariant: Optional[bool] = typer.Option(
+        None, "--batch-invariant/--no-batch-invariant",
+        help="Same output bits for a request whatever shares its batches (slower)."),
 ) -> None:
     """Time the engine per phase at one or more block sizes, same workload and KV bytes."""
     import json
@@ -272,7 +280,7 @@ def profile(
     flags = {"--model": model, "--dtype": dtype, "--device": device, "--kv-memory": kv_memory,
              "--num-blocks": num_blocks, "--max-num-seqs": max_num_seqs,
              "--max-num-batched-tokens": max_num_batched_tokens, "--max-model-len": max_model_len,
-             "--seed": seed, "--threads": threads}
+             "--seed": seed, "--threads": threads, "--batch-invariant": batch_invariant}
     flags["--kv-cache-dtype"] = kv_cache_dtype
     try:
         run_config = load_config(config, _overrides(flags, []))

@@ -61,6 +61,7 @@ class RunConfig:
     seed: int = _ENGINE.seed
     threads: int | None = None
     max_line_bytes: int | None = None  # None: derived from max_model_len (see input_limits)
+    batch_invariant: bool = False    # README "Same answer whatever the batch"
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
     output: OutputConfig = field(default_factory=OutputConfig)
     ray: RayConfig = field(default_factory=RayConfig)   # run on Ray (ray_settings.py)
@@ -142,6 +143,7 @@ _ENGINE_CHECKS: dict[str, Callable[[Any], Any]] = {
     "seed": int_at_least(0),
     "threads": _optional(int_at_least(1)),
     "max_line_bytes": _optional(parse_size),
+    "batch_invariant": _bool,
 }
 
 _OUTPUT_CHECKS: dict[str, Callable[[Any], Any]] = {

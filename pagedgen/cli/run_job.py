@@ -344,7 +344,7 @@ def build_llm(config: RunConfig) -> LLM:
                max_num_batched_tokens=config.max_num_batched_tokens,
                max_model_len=config.max_model_len,
                enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
-               threads=config.threads)
+               threads=config.threads, batch_invariant=config.batch_invariant)
 
 
 def load_llm(config: RunConfig) -> LLM:

@@ -15,7 +15,8 @@ from pagedgen.model.runtime.runner import ModelRunner
 def build_engine(loaded: LoadedModel, config: EngineConfig) -> LLMEngine:
     """The engine's config is `config` with max_model_len resolved (engine_config.py)."""
     runner = ModelRunner(loaded, config.block_size, num_blocks=config.num_blocks,
-                         kv_memory_bytes=config.kv_memory, kv_cache_dtype=config.kv_cache_dtype)
+                         kv_memory_bytes=config.kv_memory, kv_cache_dtype=config.kv_cache_dtype,
+                         batch_invariant=config.batch_invariant)
     max_model_len = resolve_max_model_len(config.max_model_len, loaded.config.max_position_embeddings,
                                           runner.num_blocks * config.block_size)
     return LLMEngine(runner, loaded.tokenizer, loaded.eos_token_ids,

@@ -20,6 +20,7 @@ class EngineConfig:
     num_blocks: int | None = None        # the pool: num_blocks, kv_memory bytes, or neither
     kv_memory: int | None = None         # (model/runtime/kv_cache.py: size_kv_pool)
     kv_cache_dtype: str = "auto"         # the pool's element format (kernels/kv_quant.py)
+    batch_invariant: bool = False        # row-invariant kernels (docs/batch_invariance.md)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -7,9 +7,11 @@ min-p, top-k, top-p, and a draw. Greedy rows take the argmax and skip everything
 The draw is an inverse-CDF lookup with ONE uniform number per row and step. That number comes
 from the row's own generator when the request is seeded, so a seeded request consumes the same
 random stream whatever else is in the batch, and sample i of an n > 1 request has its own
-stream. Same tokens follow exactly only in float32: in bfloat16 the model's logits depend in
-their last bits on the batch composition (GEMM blocking changes with the row count), so the
-same uniform number can land on a different token and the continuations can diverge.
+stream. Same tokens follow exactly only in float32 or with batch_invariant: otherwise, in
+bfloat16, the model's logits depend in their last bits on the batch composition (GEMM blocking
+changes with the row count), so the same uniform number can land on a different token and the
+continuations can diverge. Every step here is per row, except the candidate count (the step's
+largest top_k when above CANDIDATES), which can move a top-p / min-p row's draw.
 
 Speed: sorting a [256, 49152] logits tensor costs ~20 lm_head matmuls on this CPU, so each
 random row is first settled among its top CANDIDATES tokens (one topk): exact whenever the

@@ -10,7 +10,7 @@ from pagedgen.validation import require_int
 # LLM keyword arguments a replica may be given (pagedgen.LLM's engine options).
 ENGINE_KWARGS = ("dtype", "device", "block_size", "num_blocks", "kv_memory", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "seed",
-                 "threads")
+                 "threads", "kv_cache_dtype", "batch_invariant")
 
 
 @dataclass(slots=True)

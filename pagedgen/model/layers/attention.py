@@ -64,8 +64,9 @@ class PagedSelfAttention(nn.Module):
                                if config.qk_norm else None)
         self.qkv_packed = self.o_packed = None  # set by pack_weights()
 
-    def pack_weights(self) -> None:
-        self.qkv_packed, self.o_packed = pack_weight(self.qkv_weight), pack_weight(self.o_weight)
+    def pack_weights(self, row_tiled: bool = False) -> None:
+        self.qkv_packed = pack_weight(self.qkv_weight, row_tiled=row_tiled)
+        self.o_packed = pack_weight(self.o_weight, row_tiled=row_tiled)
 
     def forward(self, hidden: torch.Tensor, step: StepMetadata, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:

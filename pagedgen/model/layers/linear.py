@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedgen.kernels import cpu_backend
+from pagedgen.model.layers.row_tiles import ROWS, RowTiled, in_row_tiles
 
 AMX_MAX_ROWS = 256  # beyond it F.linear catches up, and x no longer fits L2
 
@@ -29,8 +30,12 @@ class PackedWeight:
     out_features: int
 
 
-def pack_weight(weight: torch.Tensor, rows_hint: int = 64) -> PackedWeight | None:
-    """A repacked copy of a [out, in] weight, or None where packing does not apply."""
+def pack_weight(weight: torch.Tensor, rows_hint: int = 64, row_tiled: bool = False
+                ) -> PackedWeight | RowTiled | None:
+    """A repacked copy of a [out, in] weight, or None where packing does not apply;
+    row_tiled: wrapped so that every projection runs on fixed-size row tiles."""
+    if row_tiled:
+        return RowTiled(pack_weight(weight, ROWS))
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
     amx = cpu_backend.amx_pack(weight.detach())
@@ -46,8 +51,10 @@ def pack_weight(weight: torch.Tensor, rows_hint: int = 64) -> PackedWeight | Non
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: PackedWeight | None = None) -> torch.Tensor:
+           packed: PackedWeight | RowTiled | None = None) -> torch.Tensor:
     """x @ weight.T + bias, through the packed weight when there is one."""
+    if isinstance(packed, RowTiled):  # batch-invariant mode
+        return in_row_tiles(lambda rows: linear(rows, weight, bias, packed.inner), x, packed.rows)
     if packed is None:
         return F.linear(x, weight, bias)
     if packed.kind == "amx":
@@ -59,10 +66,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.data, bias, "none", [], "")
 
 
-def linear_float32(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None = None
-                   ) -> torch.Tensor:
+def linear_float32(x: torch.Tensor, weight: torch.Tensor,
+                   packed: PackedWeight | RowTiled | None = None) -> torch.Tensor:
     """linear(x, weight, packed=packed).float(), in one pass where the AMX kernel applies
     (the LM head: the sampler wants float32 logits, and a separate cast is one more pass)."""
+    if isinstance(packed, RowTiled):  # batch-invariant mode
+        return in_row_tiles(lambda rows: linear_float32(rows, weight, packed.inner), x, packed.rows)
     if packed is not None and packed.kind == "amx" and x.shape[0] <= AMX_MAX_ROWS:
         out = cpu_backend.amx_linear(x, packed.data, packed.out_features, out_dtype=torch.float32)
         if out is not None:

@@ -53,13 +53,16 @@ class LlamaDecoder(nn.Module):
         self.lm_head_packed = None
         self.fused_decode: FusedDecode | None = None  # set by pack_weights() where it applies
 
-    def pack_weights(self) -> None:
-        """Prepack the projection weights for the device's GEMM library (CPU bf16 only)."""
+    def pack_weights(self, batch_invariant: bool = False) -> None:
+        """Prepack the projection weights for the device's GEMM library (CPU bf16 only).
+
+        batch_invariant: every projection on fixed-size row tiles (model/layers/row_tiles.py)
+        and no fused decode step (its kernels' shapes follow the batch)."""
         for layer in self.layers:
-            layer.attention.pack_weights()
-            layer.mlp.pack_weights()
-        self.lm_head_packed = pack_weight(self.lm_head_weight)
-        self.fused_decode = FusedDecode.build(self.config, self.layers)
+            layer.attention.pack_weights(row_tiled=batch_invariant)
+            layer.mlp.pack_weights(row_tiled=batch_invariant)
+        self.lm_head_packed = pack_weight(self.lm_head_weight, row_tiled=batch_invariant)
+        self.fused_decode = None if batch_invariant else FusedDecode.build(self.config, self.layers)
 
     def reset_rope_table(self) -> None:
         """(Re)compute the RoPE table on the weights' device and dtype."""

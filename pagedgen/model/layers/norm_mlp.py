@@ -58,9 +58,9 @@ class GatedMLP(nn.Module):
         self.down_weight = empty_parameter(hidden_size, intermediate_size)
         self.gate_up_packed = self.down_packed = None  # set by pack_weights()
 
-    def pack_weights(self) -> None:
-        self.gate_up_packed = pack_weight(self.gate_up_weight)
-        self.down_packed = pack_weight(self.down_weight)
+    def pack_weights(self, row_tiled: bool = False) -> None:
+        self.gate_up_packed = pack_weight(self.gate_up_weight, row_tiled=row_tiled)
+        self.down_packed = pack_weight(self.down_weight, row_tiled=row_tiled)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, packed=self.gate_up_packed)

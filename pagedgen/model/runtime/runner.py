@@ -8,6 +8,7 @@ import torch
 
 from pagedgen.kernels import get_ops
 from pagedgen.validation import require_int
+from pagedgen.kernels.invariant_attention import InvariantOps
 from pagedgen.model.layers.attention import StepMetadata, build_step_metadata
 from pagedgen.model.runtime.batch import FlatBatch, ScheduledChunk, build_flat_batch
 from pagedgen.model.runtime.cpu_malloc import keep_freed_memory
@@ -23,18 +24,29 @@ __all__ = ["ModelRunner", "ScheduledChunk"]
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, block_size: int, num_blocks: int | None = None,
                  kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None,
-                 kernels: ModuleType | None = None, kv_cache_dtype: str = "auto") -> None:
+                 kernels: ModuleType | None = None, kv_cache_dtype: str = "auto",
+                 batch_invariant: bool = False) -> None:
         """kernels: override the device's kernel module (tests run triton_ops interpreted on CPU).
-        kv_cache_dtype: "auto" (the model's dtype) or an 8-bit format of kernels/kv_quant.py."""
+        kv_cache_dtype: "auto" (the model's dtype) or an 8-bit format of kernels/kv_quant.py.
+        batch_invariant: each row's logits bitwise independent of the rest of the batch and of
+        the prefill chunking (row-tiled projections, kernels/invariant_attention.py)."""
         require_int("block_size", block_size)
         self.model = loaded.model
         self.config = loaded.config
         self.dtype, self.device = loaded.dtype, torch.device(loaded.device)
         self.block_size = block_size
         self.kernels = kernels or get_ops(self.device)  # Triton kernels on CUDA, the CPU backend on CPU
-        self.ops = self.kernels  # what the model calls: the backend, or it seen through a timer
         kv_format(kv_cache_dtype)  # a bad name fails here, before any allocation
         self.kv_cache_dtype = kv_cache_dtype or "auto"
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
+        if batch_invariant and self.kv_cache_dtype != "auto":
+            # The per-row attention reads bf16/float32 pools only.
+            raise ValueError("batch_invariant=True needs kv_cache_dtype='auto'")
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            self.kernels = InvariantOps(self.kernels)
+        self.ops = self.kernels  # what the model calls: the backend, or it seen through a timer
         self.kv_bytes_per_token = self.config.kv_bytes_per_token(self.dtype, self.kv_cache_dtype,
                                                                  block_size)
         self.num_blocks = size_kv_pool(
@@ -43,7 +55,7 @@ class ModelRunner:
             kv_memory_fraction=kv_memory_fraction).num_blocks
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model.pack_weights()
+        self.model.pack_weights(batch_invariant=batch_invariant)
         self.kv_cache = allocate_kv_cache(self.config.num_layers, self.num_blocks, block_size,
                                           self.config.num_kv_heads, self.config.head_dim,
                                           kv_storage_dtype(self.dtype, self.kv_cache_dtype),
