@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 import pagedgen.cli.run_job as run_job
 from pagedgen.cli.app import app
 from tiny_models import tiny_hf_model, tiny_model_dir, tiny_tokenizer
+from jsonl_files import read_jsonl, write_jsonl
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -28,16 +29,6 @@ def config_path(tmp_path_factory) -> Path:
                     "sampling:\n  max_tokens: 4\n  temperature: 0\n  ignore_eos: true\n"
                     "output:\n  ordered: true\n")
     return path
-
-
-def write_jsonl(path: Path, lines: list) -> Path:
-    path.write_bytes(b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n"
-                              for line in lines))
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def run_cli(*args: str):

@@ -20,6 +20,7 @@ import pagedgen.cli.prepare as prepare_module
 import pagedgen.cli.run_job as run_job
 from pagedgen.cli.app import app
 from tiny_models import tiny_model_dir
+from jsonl_files import read_jsonl, write_jsonl
 
 GOOD = {"id": "good", "prompt": "import os"}
 
@@ -31,16 +32,6 @@ def config_path(tmp_path_factory) -> Path:
                     "num_blocks: 64\nmax_num_seqs: 4\nmax_model_len: 64\nthreads: 1\n"
                     "sampling:\n  max_tokens: 3\n  temperature: 0\n  ignore_eos: true\n")
     return path
-
-
-def write_lines(path: Path, lines: list) -> Path:
-    path.write_bytes(b"".join((x if isinstance(x, bytes) else json.dumps(x).encode()) + b"\n"
-                              for x in lines))
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -69,7 +60,7 @@ def no_model(monkeypatch):
 # --- paths: checked before anything runs ---
 
 def test_errors_file_that_is_the_input_is_refused(tmp_path, config_path, no_model):
-    inputs = write_lines(tmp_path / "A.jsonl", [GOOD])
+    inputs = write_jsonl(tmp_path / "A.jsonl", [GOOD])
     before = snapshot(tmp_path)
     result = run_cli(inputs, "-c", config_path, "--errors", inputs)
     assert result.exit_code == 2
@@ -78,7 +69,7 @@ def test_errors_file_that_is_the_input_is_refused(tmp_path, config_path, no_mode
 
 
 def test_input_named_like_the_ordered_file_is_never_deleted(tmp_path, config_path, no_model):
-    inputs = write_lines(tmp_path / "B.ordered.jsonl", [GOOD])
+    inputs = write_jsonl(tmp_path / "B.ordered.jsonl", [GOOD])
     before = snapshot(tmp_path)
     result = run_cli(inputs, "-c", config_path, "--output", tmp_path / "B.jsonl")
     assert result.exit_code == 2 and "ordered file" in result.stderr
@@ -86,7 +77,7 @@ def test_input_named_like_the_ordered_file_is_never_deleted(tmp_path, config_pat
 
 
 def test_errors_and_output_on_one_file_are_refused(tmp_path, config_path, no_model):
-    inputs = write_lines(tmp_path / "C.jsonl", [GOOD])
+    inputs = write_jsonl(tmp_path / "C.jsonl", [GOOD])
     out = tmp_path / "C.out.jsonl"
     result = run_cli(inputs, "-c", config_path, "--errors", out, "--output", out)
     assert result.exit_code == 2 and "same file as the output" in result.stderr
@@ -95,7 +86,7 @@ def test_errors_and_output_on_one_file_are_refused(tmp_path, config_path, no_mod
 
 @pytest.mark.parametrize("link", [os.symlink, os.link])
 def test_links_to_the_input_are_resolved(tmp_path, config_path, no_model, link):
-    inputs = write_lines(tmp_path / "in.jsonl", [GOOD])
+    inputs = write_jsonl(tmp_path / "in.jsonl", [GOOD])
     link(inputs, tmp_path / "alias.jsonl")
     before = snapshot(tmp_path)
     result = run_cli(inputs, "-c", config_path, "--output", tmp_path / "alias.jsonl")
@@ -104,7 +95,7 @@ def test_links_to_the_input_are_resolved(tmp_path, config_path, no_model, link):
 
 
 def test_folder_where_a_file_is_meant_and_file_where_a_folder_is(tmp_path, config_path, no_model):
-    inputs = write_lines(tmp_path / "in.jsonl", [GOOD])
+    inputs = write_jsonl(tmp_path / "in.jsonl", [GOOD])
     (tmp_path / "dir.jsonl").mkdir()
     result = run_cli(inputs, "-c", config_path, "--output", tmp_path / "dir.jsonl")
     assert result.exit_code == 2 and "is a folder; give a file path" in result.stderr
@@ -118,7 +109,7 @@ def test_folder_where_a_file_is_meant_and_file_where_a_folder_is(tmp_path, confi
 
 
 def test_unwritable_place_is_found_before_the_model_loads(tmp_path, config_path, no_model):
-    inputs = write_lines(tmp_path / "in.jsonl", [GOOD])
+    inputs = write_jsonl(tmp_path / "in.jsonl", [GOOD])
     # /proc refuses new files even to root, unlike a chmod'ed folder.
     result = run_cli(inputs, "-c", config_path, "--errors", "/proc/self/pagedgen-errors.jsonl")
     assert result.exit_code == 2 and "cannot write the errors file" in result.stderr
@@ -132,7 +123,7 @@ def test_unwritable_place_is_found_before_the_model_loads(tmp_path, config_path,
 
 
 def test_a_file_pagedgen_did_not_write_is_never_touched(tmp_path, config_path, no_model):
-    inputs = write_lines(tmp_path / "in.jsonl", [GOOD])
+    inputs = write_jsonl(tmp_path / "in.jsonl", [GOOD])
     theirs = tmp_path / "in.completions.errors.jsonl"
     theirs.write_text("the user's own notes\n")
     before = snapshot(tmp_path)
@@ -143,7 +134,7 @@ def test_a_file_pagedgen_did_not_write_is_never_touched(tmp_path, config_path, n
 
 
 def test_only_files_the_manifest_lists_are_replaced(tmp_path, config_path):
-    inputs = write_lines(tmp_path / "in.jsonl", [GOOD, {"id": "bad", "prompt": ""}])
+    inputs = write_jsonl(tmp_path / "in.jsonl", [GOOD, {"id": "bad", "prompt": ""}])
     first = run_cli(inputs, "-c", config_path, "--no-report")
     assert first.exit_code == 1
     manifest = json.loads((tmp_path / "in.completions.manifest.json").read_text())
@@ -198,7 +189,7 @@ HOSTILE_LINES = [
 
 
 def test_one_line_never_ends_the_run(tmp_path, config_path, raising_template_model):
-    inputs = write_lines(tmp_path / "in.jsonl", [line for line, _ in HOSTILE_LINES])
+    inputs = write_jsonl(tmp_path / "in.jsonl", [line for line, _ in HOSTILE_LINES])
     digest = hashlib.sha256(inputs.read_bytes()).hexdigest()
     result = run_cli(inputs, "-c", config_path, "--model", raising_template_model, "--no-report")
     assert result.exit_code == 1, result.stderr
@@ -216,7 +207,7 @@ def test_one_line_never_ends_the_run(tmp_path, config_path, raising_template_mod
 
 
 def test_line_byte_limit_is_configurable(tmp_path, config_path, monkeypatch):
-    inputs = write_lines(tmp_path / "in.jsonl", [GOOD, {"id": "wide", "prompt": "q" * 500}])
+    inputs = write_jsonl(tmp_path / "in.jsonl", [GOOD, {"id": "wide", "prompt": "q" * 500}])
     calls = []
     real = prepare_module.prompt_token_ids
     monkeypatch.setattr(prepare_module, "prompt_token_ids", lambda r, t: calls.append(r.id) or real(r, t))
@@ -234,7 +225,7 @@ def test_long_line_is_refused_before_tokenizing_with_the_default_limit(tmp_path,
     config.write_text(f"model: {tiny_model_dir('llama')}\ndtype: float32\ndevice: cpu\n"
                       "num_blocks: 64\nmax_num_seqs: 4\nthreads: 1\n"
                       "sampling:\n  max_tokens: 2\n  temperature: 0\n")
-    inputs = write_lines(tmp_path / "in.jsonl", [GOOD, {"id": "50k-tokens", "prompt": "word " * 40_000}])
+    inputs = write_jsonl(tmp_path / "in.jsonl", [GOOD, {"id": "50k-tokens", "prompt": "word " * 40_000}])
     calls = []
     real = prepare_module.prompt_token_ids
     monkeypatch.setattr(prepare_module, "prompt_token_ids", lambda r, t: calls.append(r.id) or real(r, t))
@@ -246,7 +237,7 @@ def test_long_line_is_refused_before_tokenizing_with_the_default_limit(tmp_path,
 
 
 def test_a_failing_request_is_its_own_error(tmp_path, config_path, monkeypatch):
-    inputs = write_lines(tmp_path / "in.jsonl", [GOOD, {"id": "other", "prompt": "x = 1"}])
+    inputs = write_jsonl(tmp_path / "in.jsonl", [GOOD, {"id": "other", "prompt": "x = 1"}])
     real = run_job.to_result
 
     def fail_for_other(item, output, model_name, tokenizer):
@@ -262,7 +253,7 @@ def test_a_failing_request_is_its_own_error(tmp_path, config_path, monkeypatch):
 
 
 def test_a_fault_of_the_whole_run_is_exit_3_with_a_log(tmp_path, config_path, monkeypatch):
-    inputs = write_lines(tmp_path / "in.jsonl", [GOOD])
+    inputs = write_jsonl(tmp_path / "in.jsonl", [GOOD])
     monkeypatch.setattr(run_job, "write_ordered", lambda *a: (_ for _ in ()).throw(RuntimeError("disk on fire")))
     result = run_cli(inputs, "-c", config_path, "--no-report")
     assert result.exit_code == 3
@@ -278,13 +269,13 @@ def test_a_fault_of_the_whole_run_is_exit_3_with_a_log(tmp_path, config_path, mo
 # --- config bounds ---
 
 def test_default_n_above_max_num_seqs_is_a_config_error(tmp_path, config_path, no_model):
-    inputs = write_lines(tmp_path / "in.jsonl", [GOOD])
+    inputs = write_jsonl(tmp_path / "in.jsonl", [GOOD])
     result = run_cli(inputs, "-c", config_path, "--n", "100", "--max-num-seqs", "8")
     assert result.exit_code == 2 and "'n' is 100, more than max_num_seqs (8)" in result.stderr
 
 
 def test_yaml_alias_bomb_is_refused_at_once(tmp_path, no_model):
-    inputs = write_lines(tmp_path / "in.jsonl", [GOOD])
+    inputs = write_jsonl(tmp_path / "in.jsonl", [GOOD])
     bomb = tmp_path / "bomb.yaml"
     rows = ["a: &a [x, x, x, x, x, x, x, x, x]"]
     rows += [f"{chr(98 + i)}: &{chr(98 + i)} [" + ", ".join([f"*{chr(97 + i)}"] * 9) + "]"
@@ -314,7 +305,7 @@ def interrupt_after(monkeypatch, count: int) -> None:
 def test_resume_refuses_other_models_and_settings_and_then_completes_exactly(
         tmp_path, config_path, monkeypatch):
     ids = [f"r{i}" for i in range(6)]
-    inputs = write_lines(tmp_path / "in.jsonl", [{"id": i, "prompt": f"x = {n}"} for n, i in enumerate(ids)])
+    inputs = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"x = {n}"} for n, i in enumerate(ids)])
     reference = tmp_path / "reference.jsonl"
     assert run_cli(inputs, "-c", config_path, "--no-report", "--output", reference).exit_code == 0
 

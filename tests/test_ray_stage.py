@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from pagedgen.cli.app import app
 from tiny_models import tiny_model_dir, tiny_tokenizer
+from jsonl_files import read_jsonl, write_jsonl
 
 ray = pytest.importorskip("ray", reason="Ray Data is an optional extra: pip install 'pagedgen[ray]'")
 
@@ -61,16 +62,6 @@ def input_lines() -> list:
     lines[17] = {"id": "r17", "prompt_token_ids": list(range(80))}        # too long (on a replica)
     lines[23] = {"id": "r3", "prompt": "again"}                           # duplicate id
     return lines
-
-
-def write_jsonl(path: Path, lines: list) -> Path:
-    path.write_bytes(b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n"
-                              for line in lines))
-    return path
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def run_cli(*args) -> object:

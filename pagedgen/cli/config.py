@@ -171,22 +171,14 @@ def _checked(source: str, key: str, check: Callable[[Any], Any], value: Any) -> 
         raise ConfigError(f"{source}: '{key}' {exc}, got {brief(value)} ({type(value).__name__})") from None
 
 
-def _apply_output(config: RunConfig, source: str, values: Any) -> None:
+def _apply_section(section: Any, name: str, checks: dict[str, Any], source: str, values: Any) -> None:
+    """A nested mapping of the config (output:, ray:), each key checked and set on `section`."""
     if not isinstance(values, dict):
-        raise ConfigError(f"{source}: 'output' must be a mapping, got {type(values).__name__}")
+        raise ConfigError(f"{source}: '{name}' must be a mapping, got {type(values).__name__}")
     for key, value in values.items():
-        if key not in _OUTPUT_CHECKS:
-            raise _unknown_key(source, f"output.{key}", list(_OUTPUT_CHECKS))
-        setattr(config.output, key, _checked(source, f"output.{key}", _OUTPUT_CHECKS[key], value))
-
-
-def _apply_ray(config: RunConfig, source: str, values: Any) -> None:
-    if not isinstance(values, dict):
-        raise ConfigError(f"{source}: 'ray' must be a mapping, got {type(values).__name__}")
-    for key, value in values.items():
-        if key not in RAY_CHECKS:
-            raise _unknown_key(source, f"ray.{key}", list(RAY_CHECKS))
-        setattr(config.ray, key, _checked(source, f"ray.{key}", RAY_CHECKS[key], value))
+        if key not in checks:
+            raise _unknown_key(source, f"{name}.{key}", list(checks))
+        setattr(section, key, _checked(source, f"{name}.{key}", checks[key], value))
 
 
 def _apply_sampling(config: RunConfig, source: str, values: Any) -> None:
@@ -204,9 +196,9 @@ def apply_values(config: RunConfig, values: dict[str, Any], source: str) -> RunC
         if key == "sampling":
             _apply_sampling(config, source, value)
         elif key == "output":
-            _apply_output(config, source, value)
+            _apply_section(config.output, "output", _OUTPUT_CHECKS, source, value)
         elif key == "ray":
-            _apply_ray(config, source, value)
+            _apply_section(config.ray, "ray", RAY_CHECKS, source, value)
         elif key in _ENGINE_CHECKS:
             setattr(config, key, _checked(source, key, _ENGINE_CHECKS[key], value))
             if key in _EXCLUSIVE and value is not None:
