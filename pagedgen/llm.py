@@ -15,21 +15,21 @@ from typing import Any
 
 import torch
 
-from pagedgen.validation import require_int
+from pagedgen.engine.beam_search import BeamSearchParams
 from pagedgen.engine.builder import build_engine
 from pagedgen.engine.engine_config import EngineConfig
+from pagedgen.engine.outputs import BeamSearchOutput, RequestOutput, Usage
+from pagedgen.engine.sampling_params import SamplingParams
 from pagedgen.memory.report import build_report
 from pagedgen.memory.tracker import MemoryTracker
 from pagedgen.model.device import resolve_device
 from pagedgen.model.loading.loader import load_model
 from pagedgen.model.runtime.kv_cache import kv_format
-from pagedgen.engine.beam_search import BeamSearchParams
-from pagedgen.engine.outputs import BeamSearchOutput, RequestOutput, Usage
 from pagedgen.progress import GenerationProgress
 from pagedgen.prompts import (Conversation, EncodedPrompt, Prompt, encode_chat, encode_isolated,
                               normalize_prompts, normalize_sampling_params)
-from pagedgen.engine.sampling_params import SamplingParams
 from pagedgen.tree import TreeNode, TreeRollouts
+from pagedgen.validation import require_int
 
 
 class LLM:
