@@ -279,9 +279,71 @@ ALWAYS_INLINE void weigh_block(const uint8_t *rows, int64_t count, int64_t strid
         for (int v = 0; v < V; v++) _mm512_storeu_ps(acc + g * DIM + 16 * v, sum[g][v]);
 }
 
+#if HAVE_VNNI
+/* weigh_block for int8 V codes (bf16 queries): per 16-token chunk and head, the weights become
+ * int16 (step = the chunk's largest / 32767, finer than a bf16 weight) and pairs of tokens'
+ * codes, widened to int16 and interleaved, meet them in VPDPWSSD: exact integer sums, turned
+ * to float once per chunk. The interleave leaves each 32-wide column group in lane order
+ * [0-3, 8-11, 16-19, 24-27 | 4-7, ...], undone at the float conversion. */
+ALWAYS_INLINE void weigh_block_vnni(const uint8_t *rows, int64_t count, int64_t stride,
+                                    const float *probs, int64_t padded, float v_scale,
+                                    float *acc, Prefetch *fetch, int64_t share, int DIM,
+                                    int GROUP) {
+    const int W = DIM / 32; /* int16 vectors per row */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    for (int64_t c = 0; c < count; c += 16) {
+        const int64_t n = count - c < 16 ? count - c : 16;
+        const __mmask16 valid = n == 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+        int32_t pairs[MAX_GROUP][8];
+        float step[MAX_GROUP];
+        __m512i sum[MAX_GROUP][2 * (MAX_VECS / 2)];
+        for (int g = 0; g < GROUP; g++) {
+            __m512 p = _mm512_maskz_loadu_ps(valid, probs + g * padded + c);
+            const float top = _mm512_reduce_max_ps(p);
+            step[g] = top > 0 ? top / 32767 : 1.0f;
+            __m512i p16 = _mm512_cvtps_epi32(_mm512_mul_ps(p, _mm512_set1_ps(1.0f / step[g])));
+            _mm256_storeu_si256((__m256i *)pairs[g], _mm512_cvtepi32_epi16(p16));
+            for (int w = 0; w < 2 * W; w++) sum[g][w] = _mm512_setzero_si512();
+        }
+        /* An odd n reads one slot past the last token: a real slot of the block, weight 0. */
+        for (int64_t t = 0; t < n; t += 2) {
+            prefetch_some(fetch, 2 * share);
+            const uint8_t *row = rows + (c + t) * stride;
+            __m512i lo[MAX_VECS / 2], hi[MAX_VECS / 2];
+            for (int w = 0; w < W; w++) {
+                __m512i x0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + 32 * w)));
+                __m512i x1 = _mm512_cvtepi8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(row + stride + 32 * w)));
+                lo[w] = _mm512_unpacklo_epi16(x0, x1);
+                hi[w] = _mm512_unpackhi_epi16(x0, x1);
+            }
+            for (int g = 0; g < GROUP; g++) {
+                __m512i p = _mm512_set1_epi32(pairs[g][t / 2]);
+                for (int w = 0; w < W; w++) {
+                    sum[g][2 * w] = _mm512_dpwssd_epi32(sum[g][2 * w], lo[w], p);
+                    sum[g][2 * w + 1] = _mm512_dpwssd_epi32(sum[g][2 * w + 1], hi[w], p);
+                }
+            }
+        }
+        for (int g = 0; g < GROUP; g++) {
+            const __m512 factor = _mm512_set1_ps(step[g] * v_scale);
+            for (int w = 0; w < W; w++) {
+                __m512 lo = _mm512_cvtepi32_ps(sum[g][2 * w]), hi = _mm512_cvtepi32_ps(sum[g][2 * w + 1]);
+                float *dst = acc + g * DIM + 32 * w;
+                _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, first, hi), factor,
+                                                      _mm512_loadu_ps(dst)));
+                _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, second, hi),
+                                                           factor, _mm512_loadu_ps(dst + 16)));
+            }
+        }
+    }
+}
+#endif
+
 ALWAYS_INLINE void weigh_values(const DecodeAttention *a, int seq, const int64_t *table,
                                 int64_t len, const Scratch *s, int64_t padded, int DIM,
-                                int GROUP, int codes) {
+                                int GROUP, int codes, int vnni) {
     const int hkv = a->num_kv_heads, bs = a->block_size, heads = a->num_q_heads;
     const int64_t stride = (int64_t)hkv * DIM, block_bytes = bs * stride;
     const int64_t blocks = (len + bs - 1) / bs;
@@ -293,10 +355,20 @@ ALWAYS_INLINE void weigh_values(const DecodeAttention *a, int seq, const int64_t
         const int64_t count = len - start < bs ? len - start : bs;
         Prefetch fetch = block_ahead(a, table, blocks, 1, b, block_bytes);
         const int64_t share = (block_bytes / (hkv * count) + 63) & ~(int64_t)63;
-        for (int kv = 0; kv < hkv; kv++)
-            weigh_block(rows + kv * DIM, count, stride, s->scores + kv * GROUP * padded + start,
-                        padded, a->v_scales[block * hkv + kv] * code_factor(codes),
-                        s->acc + kv * GROUP * DIM, &fetch, share, DIM, GROUP, codes);
+        for (int kv = 0; kv < hkv; kv++) {
+            const float *probs = s->scores + kv * GROUP * padded + start;
+            const float v_scale = a->v_scales[block * hkv + kv] * code_factor(codes);
+            float *sums = s->acc + kv * GROUP * DIM;
+#if HAVE_VNNI
+            if (vnni) {
+                weigh_block_vnni(rows + kv * DIM, count, stride, probs, padded, v_scale, sums,
+                                 &fetch, share, DIM, GROUP);
+                continue;
+            }
+#endif
+            weigh_block(rows + kv * DIM, count, stride, probs, padded, v_scale, sums, &fetch,
+                        share, DIM, GROUP, codes);
+        }
     }
     for (int h = 0; h < heads; h++) {
         const int64_t row = ((int64_t)seq * heads + h) * DIM;
@@ -317,7 +389,7 @@ ALWAYS_INLINE void attend_seq(const DecodeAttention *a, int seq, const Scratch *
     score_keys(a, table, len, s, padded, DIM, GROUP, codes, vnni);
     for (int h = 0; h < a->num_q_heads; h++)
         s->denom[h] = softmax_row(s->scores + h * padded, len, s->top[h]);
-    weigh_values(a, seq, table, len, s, padded, DIM, GROUP, codes);
+    weigh_values(a, seq, table, len, s, padded, DIM, GROUP, codes, vnni);
 }
 
 #define Q8_SHAPES(X) X(64, 1) X(64, 2) X(64, 3) X(64, 4) X(64, 8) \
