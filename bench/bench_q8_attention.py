@@ -4,6 +4,7 @@
 DRAM read bandwidth from a large torch copy_ in the same run.
 
     python bench/bench_q8_attention.py [--batch 8] [--context 2048] [--layers 30] [--threads 1]
+                                       [--contiguous]
 
 Prints per format: median ms for all layers, the K/V bytes the kernels read, and GB/s.
 """
@@ -56,8 +57,11 @@ def attention_step(fmt_name: str, args) -> dict:
     blocks = args.batch * per_seq
     layers = [make_layer(fmt_name, blocks, args.block_size, args.kv_heads, args.head_dim)
               for _ in range(args.layers)]
-    # Scattered blocks, as a pool hands them out after some churn.
-    tables = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).view(args.batch, per_seq)
+    # Scattered blocks, as a pool hands them out after some churn (--contiguous: in order, as
+    # a fresh pool hands them out and bench_kv_quant.py --speed has them).
+    order = (torch.arange(blocks) if args.contiguous
+             else torch.randperm(blocks, generator=torch.Generator().manual_seed(0)))
+    tables = order.view(args.batch, per_seq)
     seq_lens = torch.full((args.batch,), args.context, dtype=torch.int64)
     q = torch.randn(args.batch, args.q_heads, args.head_dim).to(torch.bfloat16)
     out = torch.empty_like(q)
@@ -87,6 +91,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--contiguous", action="store_true")
     parser.add_argument("--formats", default=",".join(FORMATS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
