@@ -172,6 +172,28 @@ def test_native_decode_reads_codes_like_the_reference(fmt_name, head_dim, num_q_
         torch.testing.assert_close(out.float(), expected, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("head_dim,num_q_heads,block_size", [(128, 8, 32), (64, 16, 48)])
+def test_native_decode_on_wide_heads_long_blocks_and_large_groups(fmt_name, head_dim,
+                                                                  num_q_heads, block_size):
+    """head_dim 128 (two 64-code words per row), several 16-key chunks per block, odd token
+    counts in a chunk; bf16 queries take the integer (VNNI) int8 path where the CPU has it:
+    its only error beyond the reference is the bf16 rounding of the output."""
+    native = native_or_skip()
+    batch = make_paged_batch([1, 15, 33, 47, 130], [1] * 5, num_q_heads=num_q_heads,
+                             num_kv_heads=2, head_dim=head_dim, block_size=block_size, seed=3)
+    k, v, ks, vs = quantize_pool(batch.k_cache * 3, batch.v_cache, fmt_name)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3)):
+        query = batch.query.to(dtype)
+        out = torch.empty_like(query)
+        assert native.decode_attention_q8(query, k, v, ks, vs, batch.block_tables.long(),
+                                          batch.seq_lens.long(), SCALE, out)
+        expected = reference.paged_attention(query.float(), dequantized(k, ks), dequantized(v, vs),
+                                             batch.block_tables, batch.seq_lens,
+                                             batch.query_start_loc, SCALE)
+        torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
 def test_decodes_without_the_native_kernel_take_the_gather_path(monkeypatch):
     from pagedgen.kernels import native
 
