@@ -35,6 +35,22 @@ def json_outcomes(results) -> dict[str, int]:
     return {"complete_and_parsed": parsed, "complete": len(ended), "cut_by_max_tokens": len(results) - len(ended)}
 
 
+def resolved_backend(llm, params) -> str:
+    """The grammar backend vLLM uses for `params`: "auto" means xgrammar where xgrammar takes the
+    constraint (vLLM checks it the same way, on its own copy of the params)."""
+    configured = llm.llm_engine.vllm_config.structured_outputs_config.backend
+    if configured != "auto":
+        return configured
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+    try:
+        validate_xgrammar_grammar(params.clone())
+        return "auto: xgrammar"
+    except VLLMValidationError:
+        return "auto: not xgrammar"
+
+
 def timed_generate(llm, prompts, params) -> tuple[float, list]:
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
@@ -84,7 +100,7 @@ def main() -> None:
         json.dump({name: [list(r.outputs[0].token_ids) for r in rs] for name, rs in results.items()}, out)
     line = {"engine": "vllm", "version": f"vllm {vllm.__version__}", "threads": args.threads,
             "dtype": args.dtype, "startup_s": round(startup_s, 1),
-            "backend": llm.llm_engine.vllm_config.structured_outputs_config.backend,
+            "backend": resolved_backend(llm, kinds["constrained"][0]),
             "generated_tokens": tokens, "gen_tok_per_s": {k: round(v, 1) for k, v in medians.items()},
             "throughput_ratio": round(medians["constrained"] / medians["unconstrained"], 3),
             "json_outputs": json_outcomes(results["constrained"])}
