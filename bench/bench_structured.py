@@ -10,12 +10,20 @@ constrained request ends when its JSON is complete, so both token counts are pri
 per-token cost is what the ratio compares. Also reported: the grammar library's one-off setup
 for the tokenizer, the compile time of the schema (uncached), and the time spent filling and
 applying the token masks during the constrained runs.
+
+vLLM (bench/peers/run_vllm_structured.py: `SamplingParams(structured_outputs=
+StructuredOutputsParams(json=schema))`, its default grammar backend unless --vllm-backend) runs
+the same workload, the same rounds, constrained and unconstrained, after pagedgen, in a process
+of its own with the Python of its venv; skipped where it is not installed
+(bench/peers/install_vllm.py). With vLLM, both engines read the same files: the default GGUF
+dequantized once to a bf16 safetensors folder (make_bench_model.py --from-default-gguf).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -25,6 +33,9 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
+from make_bench_model import DEFAULT_GGUF_DIR, convert_default_model  # noqa: E402
+from peers.common import Workload, save_workload  # noqa: E402
+from peers.vllm_peer import add_vllm_args, run_vllm, vllm_wanted, work_dir  # noqa: E402
 from peers.workload import FULL, random_workload  # noqa: E402
 
 # A typical extraction schema: nested object, array, enum, numbers, required fields.
@@ -53,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--out", type=Path, help="write the result as JSON here")
+    add_vllm_args(parser)
+    parser.add_argument("--vllm-backend", default="auto", help="vLLM's structured-outputs backend")
     return parser.parse_args()
 
 
@@ -95,12 +108,51 @@ def json_outcomes(outputs) -> dict[str, int]:
             "cut_by_max_tokens": len(outputs) - len(ended)}
 
 
+def run_vllm_structured(args: argparse.Namespace, model: str, workload: Workload, dtype: str) -> dict | None:
+    folder = work_dir(args)
+    save_workload(workload, folder / "structured_workload.json")
+    (folder / "schema.json").write_text(json.dumps(SCHEMA))
+    return run_vllm("run_vllm_structured.py", [
+        "--model", model, "--workload", str(folder / "structured_workload.json"),
+        "--schema", str(folder / "schema.json"), "--rounds", str(args.rounds),
+        "--threads", str(args.threads), "--dtype", dtype.removeprefix("torch."),
+        "--backend", args.vllm_backend], args)
+
+
+def add_vllm_result(result: dict, vllm: dict | None) -> None:
+    """vLLM's figures beside ours, and pagedgen / vLLM for each kind of run."""
+    if vllm is None:
+        return
+    result["vllm"] = vllm
+    result["pagedgen_vs_vllm"] = {kind: round(rate / vllm["gen_tok_per_s"][kind], 3)
+                                  for kind, rate in result["gen_tok_per_s"].items()}
+
+
+def markdown_table(result: dict) -> str:
+    """The README's table: gen tok/s of both engines, constrained and not, and the ratios."""
+    ours, theirs = result, result["vllm"]
+    lines = ["| engine | unconstrained gen tok/s | constrained gen tok/s | constrained / unconstrained"
+             " | JSON parsed of complete (cut by max_tokens) | tokens (unconstrained / constrained) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, row in (("pagedgen", ours), (f"vLLM ({theirs['backend']})", theirs)):
+        rates, tokens, outcomes = row["gen_tok_per_s"], row["generated_tokens"], row["json_outputs"]
+        lines.append(f"| {name} | {rates['unconstrained']:.1f} | {rates['constrained']:.1f} | "
+                     f"{row['throughput_ratio']:.2f} | {outcomes['complete_and_parsed']} of "
+                     f"{outcomes['complete']} ({outcomes['cut_by_max_tokens']}) | "
+                     f"{tokens['unconstrained']:,} / {tokens['constrained']:,} |")
+    ratios = result["pagedgen_vs_vllm"]
+    lines.append(f"| pagedgen / vLLM | {ratios['unconstrained']:.2f}× | {ratios['constrained']:.2f}× | | | |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     args = parse_args()
     from pagedgen import LLM, SamplingParams, StructuredOutputsParams
     from pagedgen.engine.structured_outputs import GrammarBackend
 
-    llm = LLM(dtype=args.dtype, threads=args.threads)
+    with_vllm = vllm_wanted(args)
+    model = str(convert_default_model(DEFAULT_GGUF_DIR)) if with_vllm else None   # None: the default
+    llm = LLM(model, dtype=args.dtype, threads=args.threads)
     tokenizer, engine = llm.get_tokenizer(), llm.engine
     workload = build_workload(args, tokenizer)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
@@ -129,6 +181,7 @@ def main() -> None:
     medians = {name: statistics.median(values) for name, values in rates.items()}
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average": [round(x, 1) for x in os.getloadavg()],
         "workload": workload.description, "threads": args.threads, "dtype": str(llm.runner.dtype),
         "rounds": args.rounds, "generated_tokens": tokens,
         "gen_tok_per_s": {k: round(v, 1) for k, v in medians.items()},
@@ -138,7 +191,11 @@ def main() -> None:
         "mask_s_total_per_round": round(sum(masks) / args.rounds, 3),
         "json_outputs": json_outcomes(outputs["constrained"]),
     }
+    if with_vllm:
+        add_vllm_result(result, run_vllm_structured(args, model, workload, result["dtype"]))
     print(json.dumps(result, indent=2))
+    if result.get("vllm"):
+        print(markdown_table(result))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
