@@ -73,7 +73,7 @@ class GrammarBackend:
         self._tokenizer = llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                 eos_token=sorted(stop_token_ids))
         self._compiled: dict[tuple[str, str, bool], Any] = {}
-        # One thread: the engine's step already uses the cores; masks take well under 1 ms.
+        # One thread: the engine's step already uses the cores, and a mask is small work.
         self._executor = llg.LLExecutor(num_threads=1)
         self.compile_seconds = 0.0          # total spent compiling (reported by the benchmark)
 
