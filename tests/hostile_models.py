@@ -13,27 +13,12 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter
 
-from tiny_models import hf_config, tiny_hf_model, tiny_model_dir, tiny_tokenizer
-
-GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-                    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-                    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+from tiny_models import gguf_name, hf_config, tiny_hf_model, tiny_model_dir, tiny_tokenizer
 
 
 def copy_model_folder(destination: Path, arch: str = "llama") -> Path:
     shutil.copytree(tiny_model_dir(arch), destination)
     return destination
-
-
-def _gguf_name(hf_name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    if hf_name in top:
-        return top[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{kind}"
 
 
 def tiny_gguf_with_tokenizer(path: Path, embed_tokenizer: bool = True) -> Path:
@@ -51,7 +36,7 @@ def tiny_gguf_with_tokenizer(path: Path, embed_tokenizer: bool = True) -> Path:
     if embed_tokenizer:
         _embed_tokenizer(writer, tokenizer)
     for name, tensor in tiny_hf_model("llama").state_dict().items():
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(tensor.numpy()))
+        writer.add_tensor(gguf_name(name), np.ascontiguousarray(tensor.numpy()))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -24,7 +24,7 @@ from pagedgen.model.loading.gguf_loader import (dequantize_tensor, gguf_model_co
 from pagedgen.model.loading.loader import build_decoder, load_model
 from pagedgen.model.runtime.runner import ModelRunner
 from pagedgen.model.loading.weights import WeightLoadError
-from tiny_models import hf_config, tiny_hf_model, tiny_loaded_model, tiny_model_dir
+from tiny_models import gguf_name, hf_config, tiny_hf_model, tiny_loaded_model, tiny_model_dir
 
 BASE = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=96,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -309,21 +309,6 @@ def test_dequantization_of_each_required_type(tmp_path):
 
 # --- GGUF: a tiny model end to end (config fields, names, Q/K order) ----------------------
 
-GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
-
-
-def gguf_name(hf_name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    if hf_name in top:
-        return top[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
 
 
 def write_tiny_gguf(path, arch: str, gguf_arch: str, tied: bool) -> None:
