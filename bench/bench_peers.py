@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--kv-gib", type=float, default=2.0, help="KV cache budget given to every engine")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV cache format for every engine: auto, int8, fp8_e4m3, fp8_e5m2 "
+                        "(an engine without it says unsupported)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--timeout", type=float, default=3600.0, help="per engine, seconds")
     p.add_argument("--work-dir", type=Path, default=None, help="logs, outputs (default: a temp dir)")
@@ -149,7 +152,7 @@ def runner_command(engine: str, python: Path, args: argparse.Namespace, model_di
     command = [str(python), str(BENCH_DIR / "peers" / RUNNERS[engine]), "--model", str(model_dir),
                "--workload", str(workload_path), "--tokens-out", str(work_dir / f"{engine}.tokens.json"),
                "--threads", str(args.threads), "--dtype", args.dtype,
-               "--kv-gib", repr(kv_gib(args, workload))]
+               "--kv-gib", repr(kv_gib(args, workload)), "--kv-cache-dtype", args.kv_cache_dtype]
     if engine == "vllm" and args.vllm_eager:
         command.append("--eager")
     if engine == "hf_cb":
@@ -208,7 +211,7 @@ def header_lines(args, model_dir: Path, cpu: CpuInfo, gemm_flop_s: float,
         f"{os.cpu_count()} CPUs, load average before the run {load}",
         cpu.summary(),
         f"threads {args.threads}, dtype {args.dtype}, KV budget {args.kv_gib:g} GiB per engine "
-        "(unless the workload sets its own), ignore_eos",
+        f"(unless the workload sets its own), kv_cache_dtype {args.kv_cache_dtype}, ignore_eos",
         f"model {model_dir}",
         f"measured {args.dtype} GEMM {gemm_flop_s / 1e9:.0f} GFLOP/s (threads={args.threads}): "
         f"the compute floor's rate; memory copy_ {copy_bytes_s / 1e9:.1f} GB/s (read + write)",

@@ -104,6 +104,8 @@ def runner_args(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-gib", type=float, default=2.0, help="KV cache budget, GiB")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="KV cache element format (auto = the model's dtype)")
     parser.add_argument("--spawn-time", type=float, default=None,
                         help="time.time() at which the driver spawned this process")
     return parser

@@ -14,7 +14,7 @@ PROCESS_START = time.time()
 
 from common import (  # noqa: E402
     RunnerResult, Workload, check_args, check_outputs, env_threads, finish, kv_bytes_per_token,
-    load_workload, runner_args, seconds_since_spawn,
+    load_workload, runner_args, seconds_since_spawn, unsupported,
 )
 
 NO_EOS = -1  # transformers CB's own "EOS disabled" value: ignore_eos
@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
     args = parser.parse_args()
     check_args(args)
+    if args.kv_cache_dtype != "auto":
+        unsupported("hf_cb", f"kv_cache_dtype {args.kv_cache_dtype} (transformers keeps K/V in the model's dtype)")
     env_threads(args.threads)
     workload = load_workload(args.workload)
     import torch

@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args()
     check_args(args)
+    if args.kv_cache_dtype != "auto":
+        unsupported("hf_static", f"kv_cache_dtype {args.kv_cache_dtype} (transformers keeps K/V in the model's dtype)")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     env_threads(args.threads)

@@ -53,7 +53,8 @@ def main() -> None:
     from pagedgen import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, threads=args.threads, block_size=args.block_size,
-              kv_memory=int(args.kv_gib * 2**30), seed=workload.seed)
+              kv_memory=int(args.kv_gib * 2**30), seed=workload.seed,
+              kv_cache_dtype=args.kv_cache_dtype)
     startup_s = seconds_since_spawn(args.spawn_time, PROCESS_START)
 
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
@@ -76,7 +77,8 @@ def main() -> None:
         generated_tokens=sum(map(len, outputs)), startup_s=startup_s, generate_s=generate_s,
         kv_allocated_bytes=report["pool"]["total_bytes"], kv_peak_bytes=report["summary"]["peak_bytes"],
         preemptions=preemptions, kernel_paths=kernel_paths(llm),
-        notes=[f"block size {args.block_size}", f"preemptions {preemptions}"],
+        notes=[f"block size {args.block_size}", f"preemptions {preemptions}",
+               f"kv_cache_dtype {args.kv_cache_dtype}"],
     )
     finish(result, outputs, args.tokens_out)
 

@@ -15,10 +15,12 @@ PROCESS_START = time.time()
 
 from common import (  # noqa: E402
     RunnerResult, check_args, check_outputs, env_threads, finish, load_workload, runner_args,
-    seconds_since_spawn,
+    seconds_since_spawn, unsupported,
 )
 
 GIB = 2**30
+# What vLLM's CPU attention takes for kv_cache_dtype (fp8 needs AVX-512 or AMX); it has no int8.
+VLLM_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def vllm_environment(threads: int, kv_gib: float) -> None:
@@ -37,11 +39,12 @@ def vllm_environment(threads: int, kv_gib: float) -> None:
 def allocated_kv_bytes(llm, fallback: int) -> tuple[int, str]:
     """Bytes of the KV pool vLLM allocated, from its block count when the engine exposes it."""
     cache = llm.llm_engine.vllm_config.cache_config
+    element_bytes = 1 if cache.cache_dtype.startswith("fp8") else None
     model = llm.llm_engine.vllm_config.model_config
     if not cache.num_gpu_blocks:
         return fallback, "the configured KV space"
     hf = model.hf_text_config
-    per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * model.get_head_size() * model.dtype.itemsize
+    per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * model.get_head_size() * (element_bytes or model.dtype.itemsize)
     return cache.num_gpu_blocks * cache.block_size * per_token, f"{cache.num_gpu_blocks} blocks of {cache.block_size}"
 
 
@@ -61,6 +64,8 @@ def main() -> None:
                         help="default: longest prompt + its max_tokens, rounded up to 256")
     args = parser.parse_args()
     check_args(args)
+    if args.kv_cache_dtype not in VLLM_KV_CACHE_DTYPES:
+        unsupported("vllm", f"kv_cache_dtype {args.kv_cache_dtype} (vLLM takes {', '.join(VLLM_KV_CACHE_DTYPES)})")
     env_threads(args.threads)
     vllm_environment(args.threads, args.kv_gib)
     workload = load_workload(args.workload)
@@ -76,7 +81,8 @@ def main() -> None:
     # count matters, and elsewhere the per-step stats would be work no other engine does.
     count_preemptions = workload.kv_bytes is not None
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=max_model_len, seed=workload.seed,
-              enforce_eager=args.eager, disable_log_stats=not count_preemptions, **extra)
+              enforce_eager=args.eager, disable_log_stats=not count_preemptions,
+              kv_cache_dtype=args.kv_cache_dtype, **extra)
     startup_s = seconds_since_spawn(args.spawn_time, PROCESS_START)
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in workload.prompts]
@@ -96,7 +102,7 @@ def main() -> None:
         kv_allocated_bytes=kv_bytes,
         preemptions=preemption_count(llm) if count_preemptions else None,
         notes=["eager" if args.eager else "torch.compile (default)", f"max_model_len {max_model_len}",
-               f"KV size from {kv_source}"],
+               f"KV size from {kv_source}", f"kv_cache_dtype {args.kv_cache_dtype}"],
     )
     finish(result, outputs, args.tokens_out)
 
