@@ -33,7 +33,7 @@ from peers.install_vllm import DEFAULT_VENV, install, is_installed, venv_python 
 from peers.launch import launch  # noqa: E402
 from peers.cpu_info import CpuInfo, cpu_info  # noqa: E402
 from peers.report import EngineRun, print_report, print_suite, to_json  # noqa: E402
-from peers.workload import FULL, QUICK, SUITE, file_workload, random_workload, suite_specs  # noqa: E402
+from peers.workload import FULL, QUICK, SUITE, file_workload, random_workload, scaled, suite_specs  # noqa: E402
 
 RUNNERS = {
     "pagedgen": "run_pagedgen.py",
@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--suite", default=None,
                    help=f"workloads to run, comma-separated or 'all': {', '.join(SUITE)} "
                         "(default: w64 alone, or --prompts)")
+    p.add_argument("--fraction", type=float, default=1.0,
+                   help="share of each suite workload's requests (same shapes; own budgets shrink too)")
     p.add_argument("--json", type=Path, default=None, help="also save the results here")
     p.add_argument("--model", default="bench",
                    help="'bench' (random SmolLM2-135M-shaped, made once), 'default' (the SmolLM2 "
@@ -89,6 +91,8 @@ def validate(args: argparse.Namespace) -> None:
         raise SystemExit(f"--engines: unknown {unknown or 'none given'}; choose from {', '.join(RUNNERS)}")
     if args.threads < 1:
         raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+    if not 0 < args.fraction <= 1:
+        raise SystemExit(f"--fraction must be in (0, 1], got {args.fraction}")
     if args.kv_gib <= 0:
         raise SystemExit(f"--kv-gib must be > 0, got {args.kv_gib}")
     if args.prompts is not None and not args.prompts.is_file():
@@ -121,7 +125,8 @@ def build_workloads(args: argparse.Namespace, model_dir: Path) -> list[Workload]
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     token_range = (max(tokenizer.all_special_ids, default=-1) + 1, min(len(tokenizer), vocab))
     if args.suite is not None:
-        return [random_workload(spec, token_range) for spec in suite_specs(args.suite, args.quick, args.seed)]
+        return [random_workload(scaled(spec, args.fraction), token_range)
+                for spec in suite_specs(args.suite, args.quick, args.seed)]
     spec = replace(QUICK if args.quick else FULL, seed=args.seed)
     prompts = args.prompts
     if prompts is None and args.model == "default" and SAMPLE_PROMPTS.is_file():

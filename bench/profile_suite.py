@@ -23,13 +23,12 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from peers.workload import random_workload, suite_specs  # noqa: E402
+from peers.workload import random_workload, scaled, suite_specs  # noqa: E402
 
 CATEGORIES = ("GEMMs", "attention", "sampling", "scheduler+Python", "other forward")
 
@@ -54,13 +53,6 @@ class GemmTimer:
 
         for module, name in ((attention, "linear"), (norm_mlp, "linear"), (llama, "linear_float32")):
             setattr(module, name, self.wrap(getattr(module, name)))
-
-
-def scaled(spec, fraction: float):
-    """Fewer requests of the same shape; a workload's own KV budget shrinks with them (so that
-    `tight` still preempts), but never below 32 MiB (one w64 request must fit the bench model)."""
-    kv_mib = None if spec.kv_mib is None else max(32, round(spec.kv_mib * fraction))
-    return replace(spec, num_requests=max(1, round(spec.num_requests * fraction)), kv_mib=kv_mib)
 
 
 def profile_one(workload, model: str, args, gemm: GemmTimer) -> dict:

@@ -73,6 +73,13 @@ SUITE: dict[str, tuple[WorkloadSpec, WorkloadSpec]] = {
 }
 
 
+def scaled(spec: WorkloadSpec, fraction: float) -> WorkloadSpec:
+    """Fewer requests of the same shape; a workload's own KV budget shrinks with them (so that
+    `tight` still preempts), but never below 32 MiB (one w64 request must fit the bench model)."""
+    kv_mib = None if spec.kv_mib is None else max(32, round(spec.kv_mib * fraction))
+    return replace(spec, num_requests=max(1, round(spec.num_requests * fraction)), kv_mib=kv_mib)
+
+
 def suite_specs(names: str, quick: bool, seed: int) -> list[WorkloadSpec]:
     """The specs of a --suite value ("all" or comma-separated names), in the order given."""
     chosen = list(SUITE) if names.strip() == "all" else [n.strip() for n in names.split(",") if n.strip()]
