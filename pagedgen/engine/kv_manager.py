@@ -100,6 +100,11 @@ class KVCacheManager:
         """Can every listed sequence append its tokens, one after another, right now?"""
         return self._blocks_for_group(seq_ids, num_tokens) <= self._pool.num_free
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free, cached free included)."""
+        return self._pool.num_free
+
     def blocks_to_append(self, seq_id: int, num_tokens: int) -> int:
         require_int("num_tokens", num_tokens, 0)
         seq = self._get(seq_id)
