@@ -226,16 +226,17 @@ def inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def _inverse_cdf_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp_()
-    cumulative = weights.cumsum(dim=-1)
+    top = logits.amax(dim=-1, keepdim=True)
+    cumulative = (logits - top).exp_().cumsum_(dim=-1)   # the weights, accumulated in place
     target = (uniforms * cumulative[:, -1])[:, None]
-    index = torch.searchsorted(cumulative, target, right=True).clamp_max_(weights.shape[-1] - 1)
-    # Only float rounding at the very top of the CDF can land on a zero-weight entry; the argmax
+    index = torch.searchsorted(cumulative, target, right=True).clamp_max_(logits.shape[-1] - 1)
+    # Only float rounding at the very top of the CDF can land on a zero-weight entry. The
+    # landed weight is recomputed as the pass computed it (exp is elementwise); the argmax
     # that replaces it is a full pass over the row, so it runs for those rare rows alone.
-    landed_on_zero = (weights.gather(1, index) <= 0).squeeze(1)
+    landed_on_zero = ((logits.gather(1, index) - top).exp_() <= 0).squeeze(1)
     if bool(landed_on_zero.any()):
         rows = landed_on_zero.nonzero().squeeze(1)
-        index[rows] = weights[rows].argmax(dim=-1, keepdim=True)
+        index[rows] = (logits[rows] - top[rows]).exp_().argmax(dim=-1, keepdim=True)
     return index.squeeze(1)
 
 
