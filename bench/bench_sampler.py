@@ -4,11 +4,10 @@ formulation of the same draw, side by side in one process.
 256 rows (32 prompts x n = 8) of float32 logits over a 49,152-token vocabulary, temperature 1
 (or --temperature), no top-k / top-p: the path every row of `parallel` takes each step. The
 plain formulation divides by the temperature and computes the fallback argmax every time; the
-sampler skips the division at temperature 1, runs the argmax only for rows whose draw lands
-on a zero weight, and works through the rows a slice at a time (`--slices` times several slice
-sizes in rows; the engine's is sampler.SLICE_ELEMENTS / vocab). Both draw from the same uniform
-numbers; the script checks that their tokens are identical, then alternates them and prints
-medians and their ratios.
+sampler skips the division at temperature 1, takes the row maxima without their indices,
+accumulates the weights in place and runs the argmax only for rows whose draw lands on a zero
+weight. Both draw from the same uniform numbers; the script checks that their tokens are
+identical, then alternates the two and prints medians and the median of their paired ratios.
 
     python bench/bench_sampler.py --threads 1 --repeats 41
 """
@@ -20,7 +19,6 @@ import time
 
 import torch
 
-from pagedgen.engine import sampler as sampler_module
 from pagedgen.engine.sampler import Sampler, build_batch
 from pagedgen.engine.sampling_params import SamplingParams
 from pagedgen.model.runtime.cpu_malloc import keep_freed_memory
@@ -60,12 +58,9 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=41)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--slices", default=str(sampler_module.SLICE_ELEMENTS // 49152),
-                   help="comma-separated rows per slice to time the sampler with")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_memory()   # the engine's malloc settings: large temporaries are reused, not faulted in
-    slices = [int(x) for x in args.slices.split(",")]
     logits = 4.0 * torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(0))
     batch = build_batch([Row(SamplingParams(temperature=args.temperature))] * args.rows, args.vocab, "cpu")
     temperature = torch.full((args.rows,), args.temperature)
@@ -77,23 +72,17 @@ def main() -> None:
         uniforms = torch.rand(args.rows, generator=torch.Generator().manual_seed(seed))
         return plain_draw(logits, temperature, uniforms).tolist()
 
-    same = True
-    timings: dict[object, list[float]] = {"plain": [], **{k: [] for k in slices}}
-    for seed in range(args.repeats):   # alternating: all see the same machine load
-        timings["plain"].append(time_ms(lambda: plain_tokens(seed)))
-        for k in slices:
-            sampler_module.SLICE_ELEMENTS = k * args.vocab
-            timings[k].append(time_ms(lambda: sampler_tokens(seed)))
-            if seed < 3:
-                same &= sampler_tokens(seed) == plain_tokens(seed)
-    plain = statistics.median(timings["plain"])
+    same = all(sampler_tokens(seed) == plain_tokens(seed) for seed in range(5))
+    plain, sampler = [], []
+    for seed in range(args.repeats):   # alternating: both see the same machine load
+        plain.append(time_ms(lambda: plain_tokens(seed)))
+        sampler.append(time_ms(lambda: sampler_tokens(seed)))
+    ratio = statistics.median(s / p for s, p in zip(sampler, plain))
     print(f"{args.rows} x {args.vocab} float32, temperature {args.temperature}, threads {args.threads}, "
           f"medians of {args.repeats}; tokens identical: {same}")
-    print(f"plain formulation               {plain:8.2f} ms per step")
-    for k in slices:
-        ratio = statistics.median(s / p for s, p in zip(timings[k], timings["plain"]))
-        print(f"sampler, {k:4d} rows per slice   {statistics.median(timings[k]):8.2f} ms per step, "
-              f"/ plain {ratio:.3f} (median of paired ratios)")
+    print(f"plain formulation  {statistics.median(plain):8.2f} ms per step")
+    print(f"sampler            {statistics.median(sampler):8.2f} ms per step (the whole call)")
+    print(f"sampler / plain    {ratio:8.3f} (median of paired ratios)")
 
 
 if __name__ == "__main__":

@@ -262,7 +262,7 @@ def plain_inverse_cdf(logits: torch.Tensor, temperature: torch.Tensor,
 @pytest.mark.parametrize("temperature, vocab", [(1.0, 49152), (0.7, 49152), (1.0, 50257),
                                                 (1.3, 50257)])
 def test_seeded_full_vocab_draws_equal_the_plain_formulation(temperature, vocab):
-    rows = 21   # several slices of rows, the last one short
+    rows = 21
     logits = 3.0 * torch.randn(rows, vocab, generator=seeded(21))
     logits[:4, 100:] = float("-inf")                  # rows whose tail has zero weight
     seeds = [1000 + i for i in range(rows)]

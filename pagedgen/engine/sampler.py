@@ -31,10 +31,6 @@ from pagedgen.engine.sampling_params import SamplingParams
 
 # Top tokens examined first. A top_p <= 0.95 nucleus of a trained LM almost always fits.
 CANDIDATES = 256
-# Logits of the full-vocabulary draw handled together on CPU (whole rows, at least one): a
-# slice's logits, weights and cumulative sums (12 bytes a token) stay in a core's cache across
-# the draw's passes, while small vocabularies stay in one slice (a slice costs a few op calls).
-SLICE_ELEMENTS = 8 * 49152
 
 
 class SamplingRow(Protocol):
@@ -213,19 +209,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
 
 def inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Index drawn from softmax(logits) per row, using the row's uniform number in [0, 1).
-    The weights stay unnormalized: the target is scaled by their total instead.
-
-    Every operation works within a row, so a few rows at a time give the same tokens; on CPU
-    that keeps a slice's intermediates in cache between the passes instead of streaming the
-    whole [rows, vocab] tensor through memory four times."""
-    rows_per_slice = max(1, SLICE_ELEMENTS // max(1, logits.shape[-1]))
-    if logits.device.type != "cpu" or logits.shape[0] <= rows_per_slice:
-        return _inverse_cdf_rows(logits, uniforms)
-    return torch.cat([_inverse_cdf_rows(rows, draws) for rows, draws
-                      in zip(logits.split(rows_per_slice), uniforms.split(rows_per_slice))])
-
-
-def _inverse_cdf_rows(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    The weights stay unnormalized: the target is scaled by their total instead."""
     top = logits.amax(dim=-1, keepdim=True)
     cumulative = (logits - top).exp_().cumsum_(dim=-1)   # the weights, accumulated in place
     target = (uniforms * cumulative[:, -1])[:, None]
