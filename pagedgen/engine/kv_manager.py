@@ -261,7 +261,7 @@ class KVCacheManager:
 
     def _needs_copy(self, seq: _SequenceBlocks) -> bool:
         """Is the last block partial and shared, so that writing into it needs a copy?"""
-        return seq.num_tokens % self.block_size != 0 and self._pool.ref_count(seq.table[-1]) > 1
+        return seq.num_tokens % self.block_size != 0 and self._pool.is_shared(seq.table[-1])
 
     def _blocks_for_group(self, seq_ids: SeqIds, num_tokens: int | abc.Sequence[int]) -> int:
         counts = _per_sequence_counts(seq_ids, num_tokens)
