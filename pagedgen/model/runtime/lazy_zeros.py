@@ -6,9 +6,9 @@ first step. Pages fresh from the kernel are zero already and are backed by physi
 when first written, so a pool over a private anonymous mapping reads as zeros everywhere (every
 value finite, which the kernels need: they read whole blocks and mask the tail) while the
 process's memory follows the KV actually used. Reads of untouched pages map the kernel's shared
-zero page and stay non-resident too. The trade: memory not yet written is not reserved either,
-so the start-up check against available memory (kv_cache.size_kv_pool) is what guards the pool,
-not a failure while zero-filling it.
+zero page and stay non-resident too. The trade: unwritten memory is not reserved either, so
+another process may take it meanwhile; the pool's size is still checked against the memory
+available at start-up (kv_cache.size_kv_pool).
 
 Not calloc / numpy.zeros: with the malloc tuning of cpu_malloc.py, allocations below its mmap
 threshold come from the heap, where recycled memory must be cleared by writing it.
