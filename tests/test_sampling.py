@@ -243,3 +243,66 @@ def test_plain_temperature_sampling_on_a_wide_vocab():
     out = sample(logits.expand(rows, vocab).contiguous(), [Row(SamplingParams())] * rows, engine_seed=13)
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=vocab).float() / rows
     assert abs(counts[7] - probs[7]) < 0.02 and abs(counts[900] - probs[900]) < 0.02
+
+
+# --- the full-vocabulary draw: same uniform numbers, same tokens as the plain formulation ---
+
+def plain_inverse_cdf(logits: torch.Tensor, temperature: torch.Tensor,
+                      uniforms: torch.Tensor) -> torch.Tensor:
+    """The draw written without short cuts: always divide, always compute the fallback."""
+    scaled = logits / temperature[:, None]
+    weights = (scaled - scaled.max(dim=-1, keepdim=True).values).exp()
+    cumulative = weights.cumsum(dim=-1)
+    index = torch.searchsorted(cumulative, (uniforms * cumulative[:, -1])[:, None], right=True)
+    index = index.clamp_max(weights.shape[-1] - 1)
+    landed_on_zero = weights.gather(1, index) <= 0
+    return torch.where(landed_on_zero, weights.argmax(dim=-1, keepdim=True), index).squeeze(1)
+
+
+@pytest.mark.parametrize("temperature, vocab", [(1.0, 49152), (0.7, 49152), (1.0, 50257),
+                                                (1.3, 50257)])
+def test_seeded_full_vocab_draws_equal_the_plain_formulation(temperature, vocab):
+    rows = 21
+    logits = 3.0 * torch.randn(rows, vocab, generator=seeded(21))
+    logits[:4, 100:] = float("-inf")                  # rows whose tail has zero weight
+    seeds = [1000 + i for i in range(rows)]
+    batch_rows = [Row(SamplingParams(temperature=temperature, seed=s), generator=seeded(s))
+                  for s in seeds]
+    tokens = sample(logits, batch_rows).token_ids
+    uniforms = torch.cat([torch.rand(1, generator=seeded(s)) for s in seeds])
+    expected = plain_inverse_cdf(logits, torch.full((rows,), temperature), uniforms)
+    assert tokens == expected.tolist()
+
+
+def test_unseeded_and_seeded_rows_draw_the_engine_stream_then_their_own():
+    rows, vocab = 9, 5000
+    logits = torch.randn(rows, vocab, generator=seeded(22))
+    temperatures = torch.tensor([1.0, 0.5, 1.0, 2.0, 1.0, 1.0, 0.9, 1.0, 1.0])
+    seeded_at = {2: 77, 5: 78}
+    batch_rows = [Row(SamplingParams(temperature=float(t), seed=seeded_at.get(i)),
+                      generator=seeded(seeded_at[i]) if i in seeded_at else None)
+                  for i, t in enumerate(temperatures)]
+    tokens = sample(logits, batch_rows, engine_seed=5).token_ids
+    uniforms = torch.rand(rows, generator=seeded(5))
+    for i, s in seeded_at.items():
+        uniforms[i] = torch.rand(1, generator=seeded(s))[0]
+    assert tokens == plain_inverse_cdf(logits, temperatures, uniforms).tolist()
+
+
+def test_a_draw_at_the_top_of_the_cdf_falls_back_to_the_argmax():
+    from pagedgen.engine.sampler import inverse_cdf
+
+    # u = 1 puts the target on the total: the search runs off the end onto a zero weight.
+    logits = torch.tensor([[0.0, 1.0, 0.5, float("-inf")], [0.0, 1.0, 0.5, 0.2]])
+    uniforms = torch.tensor([1.0, 0.3])
+    expected = plain_inverse_cdf(logits, torch.ones(2), uniforms)
+    assert inverse_cdf(logits, uniforms).tolist() == expected.tolist() and expected[0] == 1
+
+
+def test_temperature_one_skips_the_division():
+    from pagedgen.engine.sampler import scale_by_temperature
+
+    logits = torch.randn(3, 10)
+    assert scale_by_temperature(logits, torch.ones(3)) is logits
+    torch.testing.assert_close(scale_by_temperature(logits, torch.tensor([1.0, 2.0, 1.0])),
+                               logits / torch.tensor([[1.0], [2.0], [1.0]]), rtol=0, atol=0)

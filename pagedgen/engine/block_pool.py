@@ -76,6 +76,11 @@ class BlockPool:
         self._check_id(block)
         return self._ref[block]
 
+    def is_shared(self, block: int) -> bool:
+        """More than one reference. Unchecked, unlike ref_count: for ids read from the manager's
+        own block tables, asked for every running sequence every step."""
+        return self._ref[block] > 1
+
     def block_hash(self, block: int) -> BlockHash | None:
         self._check_id(block)
         value = self._hash_value[block]

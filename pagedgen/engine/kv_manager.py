@@ -100,6 +100,11 @@ class KVCacheManager:
         """Can every listed sequence append its tokens, one after another, right now?"""
         return self._blocks_for_group(seq_ids, num_tokens) <= self._pool.num_free
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free, cached free included)."""
+        return self._pool.num_free
+
     def blocks_to_append(self, seq_id: int, num_tokens: int) -> int:
         require_int("num_tokens", num_tokens, 0)
         seq = self._get(seq_id)
@@ -256,7 +261,7 @@ class KVCacheManager:
 
     def _needs_copy(self, seq: _SequenceBlocks) -> bool:
         """Is the last block partial and shared, so that writing into it needs a copy?"""
-        return seq.num_tokens % self.block_size != 0 and self._pool.ref_count(seq.table[-1]) > 1
+        return seq.num_tokens % self.block_size != 0 and self._pool.is_shared(seq.table[-1])
 
     def _blocks_for_group(self, seq_ids: SeqIds, num_tokens: int | abc.Sequence[int]) -> int:
         counts = _per_sequence_counts(seq_ids, num_tokens)

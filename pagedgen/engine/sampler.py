@@ -210,13 +210,27 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
 def inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Index drawn from softmax(logits) per row, using the row's uniform number in [0, 1).
     The weights stay unnormalized: the target is scaled by their total instead."""
-    weights = (logits - logits.max(dim=-1, keepdim=True).values).exp_()
-    cumulative = weights.cumsum(dim=-1)
+    top = logits.amax(dim=-1, keepdim=True)
+    cumulative = (logits - top).exp_().cumsum_(dim=-1)   # the weights, accumulated in place
     target = (uniforms * cumulative[:, -1])[:, None]
-    index = torch.searchsorted(cumulative, target, right=True).clamp_max_(weights.shape[-1] - 1)
-    # Only float rounding at the very top of the CDF can land on a zero-weight entry.
-    landed_on_zero = weights.gather(1, index) <= 0
-    return torch.where(landed_on_zero, weights.argmax(dim=-1, keepdim=True), index).squeeze(1)
+    index = torch.searchsorted(cumulative, target, right=True).clamp_max_(logits.shape[-1] - 1)
+    # Only float rounding at the very top of the CDF can land on a zero-weight entry. The
+    # landed weight is recomputed as the pass computed it (exp is elementwise); the argmax
+    # that replaces it is a full pass over the row, so it runs for those rare rows alone.
+    landed_on_zero = ((logits.gather(1, index) - top).exp_() <= 0).squeeze(1)
+    if bool(landed_on_zero.any()):
+        rows = landed_on_zero.nonzero().squeeze(1)
+        index[rows] = (logits[rows] - top[rows]).exp_().argmax(dim=-1, keepdim=True)
+    return index.squeeze(1)
+
+
+def scale_by_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits / temperature per row. When every row's temperature is 1 the division is an exact
+    no-op (x / 1.0 == x in IEEE arithmetic), so the logits come back as they are, without a
+    full-vocabulary pass."""
+    if bool((temperature == 1).all()):
+        return logits
+    return logits / temperature[:, None]
 
 
 # --- random choice ---
@@ -280,7 +294,7 @@ def _nucleus(scaled: torch.Tensor, logits: torch.Tensor, rows: RandomRows, keep:
 
 def _sample_full_vocab(logits: torch.Tensor, rows: RandomRows, uniforms: torch.Tensor) -> torch.Tensor:
     """Rows not settled among candidates (no top-k by construction)."""
-    scaled = logits / rows.temperature[:, None]
+    scaled = scale_by_temperature(logits, rows.temperature)
     if rows.min_p is not None:
         scaled = apply_min_p(scaled, rows.min_p)
     if rows.top_p is not None and bool((rows.top_p < 1).any()):
@@ -337,8 +351,10 @@ class Sampler:
     def _uniforms(self, random: RandomRows, device: torch.device) -> torch.Tensor:
         """One draw per random row: from the engine generator, or the row's own when seeded."""
         uniforms = torch.rand(random.temperature.shape[0], generator=self.generator, device=device)
-        for position, generator in random.seeded:  # per seeded row, not per token
-            uniforms[position] = torch.rand(1, generator=generator, device=device)[0]
+        if random.seeded:  # one draw per seeded row (not per token), written back in one copy
+            positions = torch.tensor([p for p, _ in random.seeded], device=device)
+            own = torch.cat([torch.rand(1, generator=g, device=device) for _, g in random.seeded])
+            uniforms.index_copy_(0, positions, own)
         return uniforms
 
     @staticmethod

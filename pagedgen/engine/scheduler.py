@@ -153,12 +153,11 @@ class Scheduler:
             self._emit(beam, 1, state)
 
     def _fits(self, seq: Sequence, num_tokens: int) -> bool:
-        """Can `seq` append num_tokens now? Most decode steps need no new block and no copy:
-        one per-sequence count answers them; the general check (built for groups of sequences,
-        several times the cost, paid for every running sequence every step) runs only when
-        blocks are needed."""
-        return (self.kv.blocks_to_append(seq.seq_id, num_tokens) == 0
-                or self.kv.can_append([seq.seq_id], num_tokens))
+        """Can `seq` append num_tokens now? For one sequence the general check (can_append, built
+        for groups of sequences and several times the cost, paid for every running sequence
+        every step) is exactly its own block count (new blocks + a copy) against the free
+        blocks."""
+        return self.kv.blocks_to_append(seq.seq_id, num_tokens) <= self.kv.num_free_blocks
 
     def _admit_waiting(self, state: _StepState) -> None:
         while self.waiting and state.budget > 0:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from pagedgen.kernels.kv_quant import KV_CACHE_DTYPES, SCALE_DTYPE, kv_format  # noqa: F401 - re-exported
+from pagedgen.model.runtime.lazy_zeros import lazy_zeros
 from pagedgen.validation import require_int
 
 # Without an explicit size: a fixed budget on CPU, a share of free memory on CUDA. On CPU a
@@ -148,16 +149,24 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     padded table entries) and mask them in the softmax, but 0 * NaN is NaN — recycled memory
     holding inf/NaN bit patterns (e.g. a freed -inf attention mask) turned whole batches of
     logits into NaN. Once zeroed, every value in the pool stays finite.
+
+    On CPU the zeros are pages fresh from the kernel (lazy_zeros.py): resident only once written,
+    so the process's memory follows the KV in use rather than the pool's size.
     """
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    return _zeros(shape, dtype, device)
 
 
 def allocate_kv_scales(num_layers: int, num_blocks: int, num_kv_heads: int,
                        device: torch.device | str) -> torch.Tensor:
     """The scales beside a quantized pool: float32 [L, 2, num_blocks, H_kv], zero-filled."""
-    return torch.zeros((num_layers, 2, num_blocks, num_kv_heads), dtype=SCALE_DTYPE,
-                       device=device)
+    return _zeros((num_layers, 2, num_blocks, num_kv_heads), SCALE_DTYPE, device)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    if torch.device(device).type == "cpu":
+        return lazy_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def kv_storage_dtype(model_dtype: torch.dtype, kv_cache_dtype: str = "auto") -> torch.dtype:
