@@ -102,8 +102,8 @@ def bench_prefill_chunk(iters: int, kv_dtypes: list[str]) -> None:
             fn()
         return run
 
-    fns = {("auto", True): timed(lambda: cpu_backend.paged_attention(*args, scale, plan=plan), True),
-           ("auto", False): timed(lambda: cpu_backend.paged_attention(*args, scale, plan=plan), False)}
+    fns = {("auto", on): timed(lambda: cpu_backend.paged_attention(*args, scale, plan=plan), on)
+           for on in (True, False)}
     for name in kv_dtypes:
         k, v, ks, vs = quantized_pool(batch, name)
         q_args = (args[0], k, v, *args[3:], scale)
@@ -121,7 +121,8 @@ def bench_prefill_chunk(iters: int, kv_dtypes: list[str]) -> None:
         fast, slow = ms[(name, True)], ms[(name, False)]
         label = "bf16" if name == "auto" else name
         print(f"  {label:9s} native {fast:8.1f} ms   gather+SDPA {slow:8.1f} ms   "
-              f"gather/native {slow / fast:5.2f}x   native vs bf16 native {bf16_native / fast:5.2f}x")
+              f"gather/native {slow / fast:5.2f}x   "
+              f"native vs bf16 native {bf16_native / fast:5.2f}x")
 
 
 def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:

@@ -175,7 +175,8 @@ ALWAYS_INLINE void attend_keys(const uint32_t *q, const uint16_t *const *k_rows,
             s[k] = _mm512_dpbf16_ps(s[k], qv, (__m512bh)_mm512_set1_epi32(pair_at(k_rows[k], p)));
     }
     if (codes)
-        for (int k = 0; k < KEYS; k++) s[k] = _mm512_mul_ps(s[k], _mm512_set1_ps(scratch->k_scale[k]));
+        for (int k = 0; k < KEYS; k++)
+            s[k] = _mm512_mul_ps(s[k], _mm512_set1_ps(scratch->k_scale[k]));
     /* causal mask: key key0 + k is seen by row r when key0 + k <= first_pos + r */
     __mmask16 keep[KEYS];
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
