@@ -2,14 +2,16 @@
 
 Also (CPU, bf16) one prefill chunk of 512 queries at the end of a 6000-token context: the native
 prefill kernel this CPU dispatches to (AMX or AVX-512 BF16) against the gather + SDPA fallback,
-median ms of each and their ratio (`--cases chunk` runs only this one).
+median ms of each and their ratio (`--cases chunk` runs only this one). `--kv-dtypes int8,...`
+adds the chunk over 8-bit pools of the same values (native kernel on the codes, and gather +
+dequantize + SDPA), timed round-robin with the bf16 pool's, each against bf16's native kernel.
 
 SmolLM2-135M shape: 9 query heads, 3 kv heads, head_dim 64, block size 16.
 CPU: cpu_backend (with a per-step plan, and the plan's own cost). CUDA: cpu_backend and the
 Triton kernels, with achieved K/V bandwidth (bytes of K/V read / time).
 
     python bench/bench_attention.py [--threads 1] [--iters 20] [--device cpu|cuda]
-                                    [--cases all|chunk]
+                                    [--cases all|chunk] [--kv-dtypes int8,fp8_e4m3,fp8_e5m2]
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from pagedgen.kernels import cpu_backend, native
+from pagedgen.kernels.kv_quant import kv_format, quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from paged_batch import PagedBatch, make_paged_batch  # noqa: E402  (a test helper)
@@ -57,23 +60,69 @@ def median_ms(fn: Callable[[], object], iters: int) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def bench_prefill_chunk(iters: int) -> None:
-    """Native prefill kernel vs gather + SDPA, side by side on one chunk over a cached context."""
+def interleaved_medians(fns: dict[str, Callable[[], object]], iters: int) -> dict[str, float]:
+    """Median ms of each function, run round-robin (one call of each per round): on a shared
+    machine a load change then hits every variant alike."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}
+
+
+def quantized_pool(batch: PagedBatch, name: str):
+    """The batch's K/V as the codes of `name` with per block and KV head scales."""
+    fmt = kv_format(name)
+    pools = []
+    for values in (batch.k_cache.float(), batch.v_cache.float()):
+        scales = values.abs().amax(dim=(1, 3)) / fmt.qmax  # [N, H_kv]
+        pools.append((quantize(values, scales[:, None, :, None], fmt), scales))
+    (k, k_scales), (v, v_scales) = pools
+    return k, v, k_scales, v_scales
+
+
+def bench_prefill_chunk(iters: int, kv_dtypes: list[str]) -> None:
+    """Native prefill kernel vs gather + SDPA, side by side on one chunk over a cached context;
+    on 8-bit pools too with kv_dtypes."""
     batch = chunk_batch()
     scale = HEAD_DIM ** -0.5
     args = batch.attention_args()
     plan = cpu_backend.plan_attention(*args[3:], BLOCK_SIZE)
     kernel = native.prefill_attention_path(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)
-    native_ms = median_ms(lambda: cpu_backend.paged_attention(*args, scale, plan=plan), iters)
-    dispatch = native.prefill_attention
-    native.prefill_attention = lambda *a: False  # the fallback cpu_backend runs without it
+    dispatch = {"bf16": native.prefill_attention, "q8": native.prefill_attention_q8}
+
+    def timed(fn, path_on: bool):
+        def run():
+            native.prefill_attention = dispatch["bf16"] if path_on else lambda *a: False
+            native.prefill_attention_q8 = dispatch["q8"] if path_on else lambda *a: False
+            fn()
+        return run
+
+    fns = {("auto", on): timed(lambda: cpu_backend.paged_attention(*args, scale, plan=plan), on)
+           for on in (True, False)}
+    for name in kv_dtypes:
+        k, v, ks, vs = quantized_pool(batch, name)
+        q_args = (args[0], k, v, *args[3:], scale)
+        for path_on in (True, False):
+            fns[(name, path_on)] = timed(
+                lambda q_args=q_args, ks=ks, vs=vs: cpu_backend.paged_attention(
+                    *q_args, plan=plan, k_scales=ks, v_scales=vs), path_on)
     try:
-        sdpa_ms = median_ms(lambda: cpu_backend.paged_attention(*args, scale, plan=plan), iters)
+        ms = interleaved_medians(fns, iters)
     finally:
-        native.prefill_attention = dispatch
-    name = "prefill chunk 512/6000 bf16"
-    print(f"{name:28s} {kernel:12s} {native_ms:8.1f} ms   gather+SDPA {sdpa_ms:8.1f} ms   "
-          f"ratio {sdpa_ms / native_ms:5.2f}x (median of {iters})")
+        native.prefill_attention, native.prefill_attention_q8 = dispatch["bf16"], dispatch["q8"]
+    bf16_native = ms[("auto", True)]
+    print(f"prefill chunk 512/6000, {kernel}, median of {iters} (round-robin):")
+    for name in ["auto", *kv_dtypes]:
+        fast, slow = ms[(name, True)], ms[(name, False)]
+        label = "bf16" if name == "auto" else name
+        print(f"  {label:9s} native {fast:8.1f} ms   gather+SDPA {slow:8.1f} ms   "
+              f"gather/native {slow / fast:5.2f}x   "
+              f"native vs bf16 native {bf16_native / fast:5.2f}x")
 
 
 def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
@@ -119,11 +168,16 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--cases", choices=("all", "chunk"), default="all")
+    parser.add_argument("--kv-dtypes", default="", help="8-bit pools for the prefill chunk too, "
+                        "comma-separated (int8, fp8_e4m3, fp8_e5m2)")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     print(f"device={opts.device} torch threads={torch.get_num_threads()} iters={opts.iters}")
     if opts.device == "cpu":
-        bench_prefill_chunk(opts.iters)
+        kv_dtypes = [name for name in opts.kv_dtypes.split(",") if name]
+        for name in kv_dtypes:
+            kv_format(name)  # a bad name fails here, naming the choices
+        bench_prefill_chunk(opts.iters, kv_dtypes)
     if opts.cases == "chunk":
         return
     for dtype in (torch.bfloat16, torch.float32):

@@ -1,6 +1,7 @@
 """Quantized KV cache: capacity, quality and decode speed of each kv_cache_dtype against auto (bf16).
 
-    python bench/bench_kv_quant.py [--capacity] [--quality] [--speed] [--threads 1] [--json F]
+    python bench/bench_kv_quant.py [--capacity] [--quality] [--speed] [--long] [--threads 1]
+                                   [--json F]
 
 --capacity (exact arithmetic, no model load): at one KV budget (default 1 GiB, pagedgen's CPU
   default), bytes per token, blocks, and
@@ -16,6 +17,11 @@
   logits of every position, each chunk attending to the quantized blocks before it.
 --speed: a decode step of --batch sequences at context --context through ModelRunner.execute
   (median of --repeats), the pool filled with random values (the format's codes for 8-bit).
+--long: the `long` workload reduced to --long-requests requests (random token ids of the bench
+  model, `make_bench_model.py`; prompts 6,000..7,500, 64 new tokens, greedy, ignore_eos, seed 0)
+  through LLM.generate per kv_cache_dtype: generated tok/s (generated tokens / the generate
+  call's wall time; its CPU seconds beside) and its ratio to auto; --long-gather adds each 8-bit format with its native
+  prefill attention switched off (gather + dequantize + SDPA), the path before it existed.
 Nothing is printed with a date: copy the figures with the date and machine into the README.
 """
 from __future__ import annotations
@@ -27,6 +33,8 @@ import math
 import random
 import sys
 import sysconfig
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -184,11 +192,66 @@ def speed(args) -> dict:
     return results
 
 
+# --- long prompts ---------------------------------------------------------------------------
+
+def long_workload(args):
+    from transformers import AutoTokenizer
+
+    from make_bench_model import make_bench_model
+    from peers.workload import SUITE, random_workload
+
+    model = make_bench_model()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    token_range = (max(tokenizer.all_special_ids, default=-1) + 1, min(len(tokenizer), vocab))
+    spec = replace(SUITE["long"][0], num_requests=args.long_requests)
+    return model, random_workload(spec, token_range)
+
+
+def long_prompts(args) -> dict:
+    from pagedgen import LLM, SamplingParams
+    from pagedgen.kernels import native
+
+    model, workload = long_workload(args)
+    print(f"long: {workload.description}", flush=True)
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+              for m in workload.max_tokens]
+    runs = [(name, True) for name in KV_CACHE_DTYPES]
+    if args.long_gather:
+        runs += [(name, False) for name in KV_CACHE_DTYPES if name != "auto"]
+    dispatch, results = native.prefill_attention_q8, {}
+    for name, native_prefill in runs:
+        native.prefill_attention_q8 = dispatch if native_prefill else (lambda *a: False)
+        try:
+            llm = LLM(str(model), dtype="bfloat16", kv_cache_dtype=name, threads=args.threads,
+                      seed=0)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        finally:
+            native.prefill_attention_q8 = dispatch
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        label = name if native_prefill else f"{name} (gather prefill)"
+        # CPU seconds too: on a shared machine wall time also counts other processes' load
+        results[label] = {"wall_s": wall, "cpu_s": cpu, "generated_tokens": generated,
+                          "generated_tok_per_s": generated / wall}
+        results[label]["vs_auto"] = (results[label]["generated_tok_per_s"]
+                                     / results["auto"]["generated_tok_per_s"])
+        print(label, json.dumps(results[label]), flush=True)
+        del llm
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capacity", action="store_true")
     parser.add_argument("--quality", action="store_true")
     parser.add_argument("--speed", action="store_true")
+    parser.add_argument("--long", action="store_true")
+    parser.add_argument("--long-requests", type=int, default=2)
+    parser.add_argument("--long-gather", action="store_true",
+                        help="--long also with the 8-bit formats' native prefill switched off")
     parser.add_argument("--budget-mib", type=int, default=1024, help="KV budget for --capacity")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
@@ -200,7 +263,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if not (args.capacity or args.quality or args.speed):
+    if not (args.capacity or args.quality or args.speed or args.long):
         args.capacity = True
     torch.set_num_threads(args.threads)
     print(f"threads {args.threads}, weights bfloat16, block_size {args.block_size}")
@@ -215,6 +278,8 @@ def main() -> None:
         out["quality"] = quality(args)
     if args.speed:
         out["speed"] = speed(args)
+    if args.long:
+        out["long"] = long_prompts(args)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
 

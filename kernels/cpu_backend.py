@@ -2,7 +2,8 @@
 
 Decodes: native.decode_attention reads K/V in place through the tables (float32 and bf16);
 bf16 prefill chunks: native.prefill_attention (flash attention on AMX tiles, else with AVX-512
-BF16 where the CPU has it; both read K/V in place through the block table). Otherwise
+BF16 where the CPU has it; both read K/V in place through the block table); over an 8-bit pool
+native.decode_attention_q8 and native.prefill_attention_q8 read the codes in place. Otherwise
 index_select + SDPA(enable_gqa=True), which is fast, where repeat_interleave for GQA is far
 slower (bench/FIGURES.md). All decodes go through one padded SDPA call; each prefill chunk gets
 one call with a causal mask shifted by its cached context.
@@ -175,8 +176,8 @@ class QuantizedKV:
 
 
 def _attend_quantized(query, kv: QuantizedKV, plan: AttentionPlan, scale, out) -> None:
-    """Decodes: the native kernel reads the codes in place (half the bytes of bf16); else, and
-    for prefill chunks, gather + dequantize + SDPA."""
+    """The native kernels read the codes in place (decodes: half the bytes of bf16; prefill
+    chunks: no dequantized copy of the context); else gather + dequantize + SDPA."""
     group = plan.decode
     if group is not None and not _attend_decodes_native(query, kv, plan, scale, out):
         q = query.index_select(0, group.rows).unsqueeze(2)  # [S_d, H_q, 1, D]
@@ -185,6 +186,10 @@ def _attend_quantized(query, kv: QuantizedKV, plan: AttentionPlan, scale, out) -
                                                   enable_gqa=True)
         out.index_copy_(0, group.rows, attended.squeeze(2))
     for chunk in plan.prefills:
+        if native.prefill_attention_q8(query[chunk.begin:chunk.end], kv.k_cache, kv.v_cache,
+                                       kv.k_scales, kv.v_scales, chunk.blocks, chunk.context_len,
+                                       scale, out[chunk.begin:chunk.end]):
+            continue
         q = query[chunk.begin:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H_q, q_len, D]
         k, v = kv.gather(chunk.blocks, 1, query.dtype)
         out[chunk.begin:chunk.end] = _sdpa_prefill(q, k, v, chunk, scale)

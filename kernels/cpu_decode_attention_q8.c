@@ -35,6 +35,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 
+#include "cpu_kv_codes.h"
 #include "cpu_x86_common.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -42,19 +43,6 @@
 #define MAX_VECS 8 /* float32 vectors per head row: head_dim 128 */
 #define AHEAD 2    /* blocks prefetched ahead */
 #define Q16_MAX 32639 /* largest |q| in int16 steps whose two int8 halves stay in range */
-
-/* 16 codes -> 16 floats (e4m3: 1/256 of the value, see code_factor). */
-ALWAYS_INLINE __m512 decode16(const uint8_t *src, int codes) {
-    __m128i bytes = _mm_loadu_si128((const __m128i *)src);
-    if (codes == 1) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-    if (codes == 3) return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));
-    /* Sign-extended, shifted by 7: exponent and mantissa in bits 7..13, the sign in 14 and 15;
-     * clearing bit 14 leaves the float16 of value / 256. */
-    __m256i wide = _mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7);
-    return _mm512_cvtph_ps(_mm256_and_si256(wide, _mm256_set1_epi16((short)0xBFFF)));
-}
-
-static float code_factor(int codes) { return codes == 2 ? 256.0f : 1.0f; }
 
 /* Per-thread scratch (one allocation). */
 typedef struct {

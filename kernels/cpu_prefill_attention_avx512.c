@@ -18,6 +18,14 @@
  *     V pairs packed once per 16 keys for all heads of the group; O^T rescaled in float32.
  * Layouts: q rows q_stride elements apart, heads and head_dim contiguous (a view of the fused
  * QKV output); K/V cache [N, block_size, H_kv, D]; out contiguous [q_len, H_q, D].
+ *
+ * 8-bit pools (kernels/kv_quant.py: codes, one float32 scale per block, K/V and KV head) take
+ * the same loop: per step of 16 keys their K and V rows are decoded to bf16 into the thread's
+ * scratch (cpu_kv_codes.h; exact: int8 and both fp8 formats fit in bf16's 8 significant bits),
+ * and the scales stay in float32: each key's K scale multiplies its score vector, its V scale
+ * its softmax weight before the bf16 rounding of P. So the codes add no rounding of their own,
+ * where scaling them to bf16 values would (code x scale rounded to 8 bits), and no gathered
+ * bf16 copy of the context is written or read.
  */
 #include <float.h>
 #include <stdint.h>
@@ -27,6 +35,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include "cpu_kv_codes.h"
 #include "cpu_x86_common.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -34,12 +43,15 @@
 #define MAX_DIM 128
 
 typedef struct {
-    const uint16_t *q, *k_cache, *v_cache;
+    const uint16_t *q;
+    const void *k_cache, *v_cache; /* bf16 values, or 8-bit codes (then scales per block) */
+    const float *k_scales, *v_scales; /* [N, H_kv]: value = code * scale (8-bit pools) */
     const int64_t *table;
     uint16_t *out;
     int64_t q_stride, context_len, q_len;
     int num_q_heads, num_kv_heads, head_dim, block_size;
     float scale;
+    int codes;          /* 0: bf16 pool; 1 int8, 2 fp8 e4m3, 3 fp8 e5m2 (cpu_kv_codes.h) */
     int heads_per_item; /* a divisor of the group (query heads per kv head) */
 } Chunk;
 
@@ -49,6 +61,8 @@ typedef struct {
     uint32_t *q;      /* [heads][head_dim / 2][16]: query dim pairs per row */
     __m512 *max, *sum; /* [heads]: raw-score maxima and sums of p per row */
     uint32_t *v_pairs; /* [KEYS / 2][head_dim]: (V[2i][d], V[2i + 1][d]) of the step's keys */
+    uint16_t *k_decoded, *v_decoded; /* [KEYS][head_dim]: the step's rows of an 8-bit pool */
+    float *k_scale, *v_scale;        /* [KEYS]: their blocks' scales (times code_factor) */
 } Scratch;
 
 static const uint16_t zero_row[MAX_DIM]; /* the rows past the context (masked anyway) */
@@ -64,19 +78,49 @@ static const uint16_t pair_lanes[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21
                                         8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
                                         15, 31};
 
+#if PAGEDGEN_HAVE_KV_CODES
+/* D codes -> D bf16 values of code / code_factor (exact). */
+ALWAYS_INLINE void decode_row(const uint8_t *src, uint16_t *dst, int D, int codes) {
+    for (int d = 0; d < D; d += 32)
+        _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(decode16(src + d + 16, codes),
+                                                                  decode16(src + d, codes)));
+}
+#endif
+
+/* An 8-bit pool's key `k` of the step: its rows decoded into the scratch, its scales. */
+ALWAYS_INLINE void decode_key(const Chunk *c, int64_t block, int64_t at, int kv, int k,
+                              Scratch *s, const uint16_t **k_rows, const uint16_t **v_rows,
+                              int D, int codes) {
+#if PAGEDGEN_HAVE_KV_CODES
+    decode_row((const uint8_t *)c->k_cache + at, s->k_decoded + k * D, D, codes);
+    decode_row((const uint8_t *)c->v_cache + at, s->v_decoded + k * D, D, codes);
+    k_rows[k] = s->k_decoded + k * D;
+    v_rows[k] = s->v_decoded + k * D;
+    const int64_t scale_at = c->table[block] * c->num_kv_heads + kv;
+    s->k_scale[k] = c->k_scales[scale_at] * code_factor(codes);
+    s->v_scale[k] = c->v_scales[scale_at] * code_factor(codes);
+#endif
+}
+
 /* The K and V rows of keys key0 .. key0 + KEYS - 1 of kv head `kv` (block and offset stepped
- * along: a division per key cost a noticeable share of the step). */
-static void key_rows(const Chunk *c, int64_t key0, int kv, const uint16_t **k_rows,
-                     const uint16_t **v_rows) {
+ * along: a division per key cost a noticeable share of the step); for an 8-bit pool (codes
+ * > 0), rows decoded into the scratch and the keys' scales. */
+ALWAYS_INLINE void key_rows(const Chunk *c, int64_t key0, int kv, Scratch *s,
+                            const uint16_t **k_rows, const uint16_t **v_rows, int D, int codes) {
     int64_t block = key0 / c->block_size, offset = key0 % c->block_size;
     for (int k = 0; k < KEYS; k++) {
-        if (key0 + k >= c->context_len) {
+        if (key0 + k >= c->context_len) { /* masked for every row: only kept finite */
             k_rows[k] = v_rows[k] = zero_row;
+            if (codes) s->k_scale[k] = s->v_scale[k] = 0.0f;
         } else {
             const int64_t at =
-                ((c->table[block] * c->block_size + offset) * c->num_kv_heads + kv) * c->head_dim;
-            k_rows[k] = c->k_cache + at;
-            v_rows[k] = c->v_cache + at;
+                ((c->table[block] * c->block_size + offset) * c->num_kv_heads + kv) * D;
+            if (codes) {
+                decode_key(c, block, at, kv, k, s, k_rows, v_rows, D, codes);
+            } else {
+                k_rows[k] = (const uint16_t *)c->k_cache + at;
+                v_rows[k] = (const uint16_t *)c->v_cache + at;
+            }
         }
         if (++offset == c->block_size) {
             offset = 0;
@@ -116,10 +160,12 @@ ALWAYS_INLINE void pack_value_pairs(const uint16_t *const *v_rows, uint32_t *v_p
         }
 }
 
-/* One query head, 16 keys from key0: scores, online softmax, O^T update. */
+/* One query head, 16 keys from key0: scores, online softmax, O^T update. An 8-bit pool's
+ * (codes > 0) K scales multiply the scores, its V scales the weights. */
 ALWAYS_INLINE void attend_keys(const uint32_t *q, const uint16_t *const *k_rows,
-                               const uint32_t *v_pairs, int64_t key0, int64_t first_pos,
-                               float scale, __m512 *max, __m512 *sum, float *out, int D) {
+                               const uint32_t *v_pairs, const Scratch *scratch, int64_t key0,
+                               int64_t first_pos, float scale, __m512 *max, __m512 *sum,
+                               float *out, int D, int codes) {
     __m512 s[KEYS];
     for (int k = 0; k < KEYS; k++) s[k] = _mm512_setzero_ps();
     for (int p = 0; p < D / 2; p++) {
@@ -128,6 +174,9 @@ ALWAYS_INLINE void attend_keys(const uint32_t *q, const uint16_t *const *k_rows,
         for (int k = 0; k < KEYS; k++)
             s[k] = _mm512_dpbf16_ps(s[k], qv, (__m512bh)_mm512_set1_epi32(pair_at(k_rows[k], p)));
     }
+    if (codes)
+        for (int k = 0; k < KEYS; k++)
+            s[k] = _mm512_mul_ps(s[k], _mm512_set1_ps(scratch->k_scale[k]));
     /* causal mask: key key0 + k is seen by row r when key0 + k <= first_pos + r */
     __mmask16 keep[KEYS];
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -146,12 +195,16 @@ ALWAYS_INLINE void attend_keys(const uint32_t *q, const uint16_t *const *k_rows,
     __m512bh p[KEYS / 2];
     const __m512i interleave = _mm512_loadu_si512(pair_lanes);
     for (int i = 0; i < KEYS / 2; i++) {
-        const __m512 e0 = _mm512_maskz_mov_ps(
+        __m512 e0 = _mm512_maskz_mov_ps(
             keep[2 * i], exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(s[2 * i], m), factor)));
-        const __m512 e1 = _mm512_maskz_mov_ps(
+        __m512 e1 = _mm512_maskz_mov_ps(
             keep[2 * i + 1],
             exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(s[2 * i + 1], m), factor)));
         block_sum = _mm512_add_ps(block_sum, _mm512_add_ps(e0, e1));
+        if (codes) { /* P V = sum p (v_scale x code): the scale joins the weight */
+            e0 = _mm512_mul_ps(e0, _mm512_set1_ps(scratch->v_scale[2 * i]));
+            e1 = _mm512_mul_ps(e1, _mm512_set1_ps(scratch->v_scale[2 * i + 1]));
+        }
         /* [bf16(e0) | bf16(e1)] -> lane j = (e0[j], e1[j]), the even key in the low half */
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
         p[i] = (__m512bh)_mm512_permutexvar_epi16(interleave, both);
@@ -189,7 +242,8 @@ static void write_rows(const Chunk *c, int head, int64_t row0, int64_t rows, con
 }
 
 /* 16 query rows (from `row0`) of query heads first_head .. + heads_per_item (one kv head's). */
-ALWAYS_INLINE void attend_item(const Chunk *c, int first_head, int64_t row0, Scratch *s, int D) {
+ALWAYS_INLINE void attend_item(const Chunk *c, int first_head, int64_t row0, Scratch *s, int D,
+                               int codes) {
     const int heads = c->heads_per_item, kv = first_head / (c->num_q_heads / c->num_kv_heads);
     const int64_t rows = c->q_len - row0 < 16 ? c->q_len - row0 : 16;
     const int64_t first_pos = c->context_len - c->q_len + row0;
@@ -202,22 +256,36 @@ ALWAYS_INLINE void attend_item(const Chunk *c, int first_head, int64_t row0, Scr
     }
     const uint16_t *k_rows[KEYS], *v_rows[KEYS];
     for (int64_t key0 = 0; key0 <= last_key; key0 += KEYS) {
-        key_rows(c, key0, kv, k_rows, v_rows);
+        key_rows(c, key0, kv, s, k_rows, v_rows, D, codes);
         pack_value_pairs(v_rows, s->v_pairs, D);
         for (int h = 0; h < heads; h++)
-            attend_keys(s->q + (int64_t)h * D / 2 * 16, k_rows, s->v_pairs, key0, first_pos,
-                        c->scale, &s->max[h], &s->sum[h], s->out + (int64_t)h * D * 16, D);
+            attend_keys(s->q + (int64_t)h * D / 2 * 16, k_rows, s->v_pairs, s, key0, first_pos,
+                        c->scale, &s->max[h], &s->sum[h], s->out + (int64_t)h * D * 16, D,
+                        codes);
     }
     for (int h = 0; h < heads; h++)
         write_rows(c, first_head + h, row0, rows, s->out + (int64_t)h * D * 16, s->sum[h]);
 }
 
-static void attend_item_64(const Chunk *c, int first_head, int64_t row0, Scratch *s) {
-    attend_item(c, first_head, row0, s, 64);
-}
+typedef void (*AttendItem)(const Chunk *, int, int64_t, Scratch *);
 
-static void attend_item_128(const Chunk *c, int first_head, int64_t row0, Scratch *s) {
-    attend_item(c, first_head, row0, s, 128);
+#define SPECIALISE(DIM, CODES)                                                              \
+    static void attend_item_##DIM##_##CODES(const Chunk *c, int first_head, int64_t row0,   \
+                                            Scratch *s) {                                   \
+        attend_item(c, first_head, row0, s, DIM, CODES);                                    \
+    }
+#if PAGEDGEN_HAVE_KV_CODES
+#define ITEM_SHAPES(X) X(64, 0) X(128, 0) X(64, 1) X(128, 1) X(64, 2) X(128, 2) X(64, 3) X(128, 3)
+#else
+#define ITEM_SHAPES(X) X(64, 0) X(128, 0)
+#endif
+ITEM_SHAPES(SPECIALISE)
+
+static AttendItem pick(int head_dim, int codes) {
+#define CASE(DIM, CODES) if (head_dim == DIM && codes == CODES) return attend_item_##DIM##_##CODES;
+    ITEM_SHAPES(CASE)
+#undef CASE
+    return NULL;
 }
 
 /* Whole groups share each K/V row across their heads; split them only as far as needed for two
@@ -233,13 +301,19 @@ static int heads_per_item(int group, int64_t groups_of_rows, int threads) {
 static void *make_scratch(int heads, int head_dim, Scratch *s) {
     const size_t out = (size_t)heads * head_dim * 16 * 4, q = (size_t)heads * head_dim / 2 * 16 * 4;
     const size_t stats = (size_t)heads * 64 * 2, pairs = (size_t)KEYS / 2 * head_dim * 4;
-    char *buffer = aligned_alloc(64, out + q + stats + pairs); /* each a multiple of 64 */
+    const size_t decoded = (size_t)KEYS * head_dim * 2, scales = KEYS * 4;
+    /* each a multiple of 64 */
+    char *buffer = aligned_alloc(64, out + q + stats + pairs + 2 * decoded + 2 * scales);
     if (buffer == NULL) return NULL;
     s->out = (float *)buffer;
     s->q = (uint32_t *)(buffer + out);
     s->max = (__m512 *)(buffer + out + q);
     s->sum = s->max + heads;
     s->v_pairs = (uint32_t *)(buffer + out + q + stats);
+    s->k_decoded = (uint16_t *)(buffer + out + q + stats + pairs);
+    s->v_decoded = s->k_decoded + KEYS * head_dim;
+    s->k_scale = (float *)(s->v_decoded + KEYS * head_dim);
+    s->v_scale = s->k_scale + KEYS;
     return buffer;
 }
 
@@ -248,31 +322,24 @@ int prefill_attention_avx512_supported(int num_q_heads, int num_kv_heads, int he
            num_q_heads % num_kv_heads == 0;
 }
 
-/* Returns 0 when done, 1 when unsupported or out of memory (then use SDPA, which writes every
- * row of out again). */
-int prefill_attention_avx512_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                                  const uint16_t *v_cache, const int64_t *table,
-                                  int64_t context_len, int64_t q_len, uint16_t *out,
-                                  int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-                                  float scale, int num_threads) {
-    if (!prefill_attention_avx512_supported(num_q_heads, num_kv_heads, head_dim) || q_len < 1 ||
-        q_len > context_len)
+/* The chunk's items over `threads`; 0 when done, 1 when unsupported or out of memory. */
+static int attend_chunk(Chunk c, int num_threads) {
+    const AttendItem attend = pick(c.head_dim, c.codes);
+    if (attend == NULL ||
+        !prefill_attention_avx512_supported(c.num_q_heads, c.num_kv_heads, c.head_dim) ||
+        c.q_len < 1 || c.q_len > c.context_len)
         return 1;
     const int threads = num_threads < 1 ? 1 : num_threads;
-    const int64_t row_blocks = (q_len + 15) / 16;
-    const int group = num_q_heads / num_kv_heads;
-    const Chunk c = {q, k_cache, v_cache, table, out, q_stride, context_len, q_len,
-                     num_q_heads, num_kv_heads, head_dim, block_size, scale,
-                     heads_per_item(group, row_blocks * num_kv_heads, threads)};
-    void (*attend)(const Chunk *, int, int64_t, Scratch *) =
-        head_dim == 64 ? attend_item_64 : attend_item_128;
-    const int parts = num_q_heads / c.heads_per_item; /* head sets across all kv heads */
+    const int64_t row_blocks = (c.q_len + 15) / 16;
+    c.heads_per_item = heads_per_item(c.num_q_heads / c.num_kv_heads, row_blocks * c.num_kv_heads,
+                                      threads);
+    const int parts = c.num_q_heads / c.heads_per_item; /* head sets across all kv heads */
     const int64_t items = row_blocks * parts;
     int failed = 0; /* a thread without its scratch: rows left unwritten, so report it */
 #pragma omp parallel num_threads(threads)
     {
         Scratch scratch;
-        void *buffer = make_scratch(c.heads_per_item, head_dim, &scratch);
+        void *buffer = make_scratch(c.heads_per_item, c.head_dim, &scratch);
         if (buffer == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -288,6 +355,36 @@ int prefill_attention_avx512_bf16(const uint16_t *q, int64_t q_stride, const uin
     return failed;
 }
 
+/* Returns 0 when done, 1 when unsupported or out of memory (then use SDPA, which writes every
+ * row of out again). */
+int prefill_attention_avx512_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                                  const uint16_t *v_cache, const int64_t *table,
+                                  int64_t context_len, int64_t q_len, uint16_t *out,
+                                  int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                                  float scale, int num_threads) {
+    const Chunk c = {.q = q, .k_cache = k_cache, .v_cache = v_cache, .table = table, .out = out,
+                     .q_stride = q_stride, .context_len = context_len, .q_len = q_len,
+                     .num_q_heads = num_q_heads, .num_kv_heads = num_kv_heads,
+                     .head_dim = head_dim, .block_size = block_size, .scale = scale, .codes = 0};
+    return attend_chunk(c, num_threads);
+}
+
+/* The same over an 8-bit pool: k_cache/v_cache codes [N, block_size, H_kv, D] (codes 1 int8,
+ * 2 fp8 e4m3, 3 fp8 e5m2), k_scales/v_scales float32 [N, H_kv]. 0 when done, 1 when not. */
+int prefill_attention_avx512_q8(const uint16_t *q, int64_t q_stride, const void *k_cache,
+                                const void *v_cache, const float *k_scales, const float *v_scales,
+                                int codes, const int64_t *table, int64_t context_len,
+                                int64_t q_len, uint16_t *out, int num_q_heads, int num_kv_heads,
+                                int head_dim, int block_size, float scale, int num_threads) {
+    if (codes < 1 || codes > 3) return 1;
+    const Chunk c = {.q = q, .k_cache = k_cache, .v_cache = v_cache, .k_scales = k_scales,
+                     .v_scales = v_scales, .table = table, .out = out, .q_stride = q_stride,
+                     .context_len = context_len, .q_len = q_len, .num_q_heads = num_q_heads,
+                     .num_kv_heads = num_kv_heads, .head_dim = head_dim,
+                     .block_size = block_size, .scale = scale, .codes = codes};
+    return attend_chunk(c, num_threads);
+}
+
 #else /* no AVX-512 BF16 at build time: SDPA does it */
 
 int prefill_attention_avx512_supported(int num_q_heads, int num_kv_heads, int head_dim) {
@@ -298,6 +395,13 @@ int prefill_attention_avx512_bf16(const uint16_t *q, int64_t q_stride, const uin
                                   int64_t context_len, int64_t q_len, uint16_t *out,
                                   int num_q_heads, int num_kv_heads, int head_dim, int block_size,
                                   float scale, int num_threads) {
+    return 1;
+}
+int prefill_attention_avx512_q8(const uint16_t *q, int64_t q_stride, const void *k_cache,
+                                const void *v_cache, const float *k_scales, const float *v_scales,
+                                int codes, const int64_t *table, int64_t context_len,
+                                int64_t q_len, uint16_t *out, int num_q_heads, int num_kv_heads,
+                                int head_dim, int block_size, float scale, int num_threads) {
     return 1;
 }
 

@@ -1,7 +1,8 @@
 """Build-on-first-use loader for the C kernels, one shared library: decode attention
 (cpu_decode_attention.c, cpu_decode_attention_bf16.c), the fused bf16 elementwise ops
 (cpu_fused_ops.c), the KV row store (cpu_store_kv.c), the skinny AMX GEMM (cpu_gemm_amx.c) and
-prefill attention (cpu_prefill_attention_amx.c, cpu_prefill_attention_avx512.c).
+prefill attention (cpu_prefill_attention_amx.c, cpu_prefill_attention_avx512.c, the latter also
+over 8-bit pools).
 
 The shared library is compiled once per machine with the system C compiler and cached under
 $PAGEDGEN_CACHE_DIR (default ~/.cache/pagedgen) keyed by a hash of the source, the flags and
@@ -35,7 +36,7 @@ SOURCES = [Path(__file__).with_name(name)
                         "cpu_prefill_attention_avx512.c")]
 HEADERS = [Path(__file__).with_name(name)  # part of the cache key
            for name in ("cpu_decode_shapes.h", "cpu_team_ops.h", "cpu_decode_scores_amx.h",
-                        "cpu_decode_bf16_blocks.h", "cpu_x86_common.h")]
+                        "cpu_decode_bf16_blocks.h", "cpu_x86_common.h", "cpu_kv_codes.h")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
     "paged_decode_attention": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +
@@ -63,6 +64,10 @@ _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
     "prefill_attention_avx512_bf16": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +
                                      [ctypes.c_int64] * 2 + [ctypes.c_void_p] +
                                      [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int],
+    "prefill_attention_avx512_q8": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 +
+                                   [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int64] * 2 +
+                                   [ctypes.c_void_p] + [ctypes.c_int] * 4 +
+                                   [ctypes.c_float, ctypes.c_int],
     "prefill_attention_supported": [ctypes.c_int] * 3,
     "prefill_attention_avx512_supported": [ctypes.c_int] * 3,
     "decode_layers_bf16": [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
@@ -234,6 +239,39 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     # each returns 1 (nothing written) where its CPU features or the shape do not fit
     return (library.prefill_attention_bf16(*args) == 0
             or library.prefill_attention_avx512_bf16(*args) == 0)
+
+
+def prefill_attention_q8(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         k_scales: torch.Tensor, v_scales: torch.Tensor, blocks: torch.Tensor,
+                         context_len: int, scale: float, out: torch.Tensor) -> bool:
+    """prefill_attention over an 8-bit pool (kernels/kv_quant.py): k_cache/v_cache int8 or
+    float8 codes [N, B, H_kv, D], k_scales/v_scales contiguous float32 [N, H_kv]; bf16 query
+    and out. The AVX-512 BF16 kernel decodes the codes in place (on AMX CPUs too); False
+    (nothing written) where it does not apply."""
+    library = load()
+    codes = _KV_CODES.get(k_cache.dtype)
+    if library is None or codes is None or v_cache.dtype != k_cache.dtype:
+        return False
+    if query.dtype != torch.bfloat16 or not _rows_strided(query) or not query.is_cpu:
+        return False
+    if not (_bf16_cpu(out) and out.shape == query.shape and k_cache.dim() == 4
+            and k_cache.shape == v_cache.shape and blocks.dtype == torch.int64):
+        return False
+    if not all(t.is_cpu and t.is_contiguous() for t in (k_cache, v_cache, k_scales, v_scales,
+                                                       blocks)):
+        return False
+    if not (k_scales.dtype == v_scales.dtype == torch.float32
+            and k_scales.shape == v_scales.shape == (k_cache.shape[0], k_cache.shape[2])):
+        return False
+    q_len, num_q_heads, head_dim = query.shape
+    block_size = k_cache.shape[1]
+    if not 0 < q_len <= context_len <= blocks.numel() * block_size:
+        return False
+    return library.prefill_attention_avx512_q8(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_scales.data_ptr(), v_scales.data_ptr(), codes, blocks.data_ptr(), context_len, q_len,
+        out.data_ptr(), num_q_heads, k_cache.shape[2], head_dim, block_size, scale,
+        torch.get_num_threads()) == 0
 
 
 def prefill_attention_path(num_q_heads: int, num_kv_heads: int, head_dim: int) -> str:
