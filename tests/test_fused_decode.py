@@ -77,6 +77,13 @@ def test_fused_decode_can_be_switched_off(monkeypatch):
     assert loaded.model.fused_decode is None
 
 
+def test_no_fused_decode_on_onednn_packed_weights(monkeypatch):
+    monkeypatch.setenv("PAGEDGEN_NATIVE_GEMM", "0")  # projections through torch's oneDNN
+    loaded = load_model(str(tiny_model_dir("llama")), dtype=torch.bfloat16, device="cpu")
+    ModelRunner(loaded, BLOCK_SIZE, num_blocks=8)
+    assert loaded.model.fused_decode is None
+
+
 def test_engine_outputs_do_not_depend_on_the_fused_step(monkeypatch):
     # The whole engine on the default model in bf16: sampling with n=3 (shared prompt blocks,
     # copy-on-write) and a pool small enough to preempt; same seeds -> same texts either way.
