@@ -28,8 +28,12 @@
 #include <omp.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+#ifndef TILE_ROWS /* -D overrides: for trying other tile shapes */
 #define TILE_ROWS 8 /* R: rows per micro-tile */
-#define GROUP 3     /* C: 16-column blocks per micro-tile */
+#endif
+#ifndef GROUP
+#define GROUP 3 /* C: 16-column blocks per micro-tile */
+#endif
 
 ALWAYS_INLINE __m512bh x_pair(const uint16_t *x) { /* x[0], x[1] in every 32-bit lane */
     int32_t pair;
@@ -44,7 +48,7 @@ ALWAYS_INLINE void micro_tile(const uint16_t *x, int64_t x_stride, const uint16_
                               const uint16_t *next, int64_t pairs, const uint16_t *bias,
                               GemmOut out, int64_t row, int64_t col_block, int R, int C) {
     const int64_t panel_elems = pairs * GEMM_PAIR_ELEMS;
-    __m512 acc[TILE_ROWS][GROUP];
+    __m512 acc[8][GROUP]; /* 8: the most rows column_group asks for */
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
@@ -88,21 +92,16 @@ ALWAYS_INLINE void column_group(const uint16_t *x, int64_t x_stride, const uint1
     }
 }
 
-static void group_of_3(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
+static void full_group(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
                        const uint16_t *next, int64_t pairs, const uint16_t *bias, GemmOut out,
                        int64_t m, int64_t col_block) {
     column_group(x, x_stride, panel, next, pairs, bias, out, m, col_block, GROUP);
 }
 
-static void group_of_2(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
-                       int64_t pairs, const uint16_t *bias, GemmOut out, int64_t m,
-                       int64_t col_block) {
-    column_group(x, x_stride, panel, NULL, pairs, bias, out, m, col_block, 2);
-}
-
-static void group_of_1(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
-                       int64_t pairs, const uint16_t *bias, GemmOut out, int64_t m,
-                       int64_t col_block) {
+/* A narrower last group (N / 16 not a multiple of GROUP): one block at a time. */
+static void single_block(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
+                         int64_t pairs, const uint16_t *bias, GemmOut out, int64_t m,
+                         int64_t col_block) {
     column_group(x, x_stride, panel, NULL, pairs, bias, out, m, col_block, 1);
 }
 
@@ -127,11 +126,10 @@ static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *pa
                                    ? panel + GROUP * panel_elems
                                    : NULL;
         if (width == GROUP)
-            group_of_3(x, x_stride, panel, next, pairs, bias, out, m, block);
-        else if (width == 2)
-            group_of_2(x, x_stride, panel, pairs, bias, out, m, block);
+            full_group(x, x_stride, panel, next, pairs, bias, out, m, block);
         else
-            group_of_1(x, x_stride, panel, pairs, bias, out, m, block);
+            for (int64_t b = 0; b < width; b++)
+                single_block(x, x_stride, panel + b * panel_elems, pairs, bias, out, m, block + b);
     }
 }
 
