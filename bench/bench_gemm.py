@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -22,19 +23,12 @@ import torch.nn.functional as F
 
 from pagedgen.kernels import native
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers.cpu_info import cpu_info  # noqa: E402
+
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
 MIN_SAMPLE_S = 0.004  # calls per sample so that one sample lasts at least this long
-
-
-def cpu_line() -> str:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                  if line.startswith("model name")), "unknown CPU")
-    flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
-    has = [name for name, flag in (("AMX", "amx_bf16"), ("AVX-512 BF16", "avx512_bf16"),
-                                   ("AVX2", "avx2")) if flag in flags]
-    return f"{model}; has {', '.join(has) or 'none of AMX/AVX-512 BF16/AVX2'}"
 
 
 def contenders(out_features: int, in_features: int, kind: str):
@@ -85,7 +79,7 @@ def main() -> None:
     if kind is None:
         raise SystemExit("no native GEMM here (needs AMX or AVX-512 BF16 and a C compiler)")
     rows_list = [int(r) for r in args.rows.split(",")]
-    print(f"CPU: {cpu_line()}; our kernel: {kind}; dtype bfloat16; median of {args.repeats}; "
+    print(f"{cpu_info().summary()}; our kernel: {kind}; dtype bfloat16; median of {args.repeats}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
