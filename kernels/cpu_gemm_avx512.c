@@ -11,11 +11,12 @@
  * 24 of the 32 zmm); per input pair it loads C weight vectors, broadcasts R pairs of x and
  * issues R * C VDPBF16PS. A thread walks its column groups one at a time, all row blocks of a
  * group before the next (the group's panels stay in L2 after the first row block), and
- * prefetches the next group's panels into L2 during the first row block.
+ * prefetches the next group's panels into L2 during the first row block. Threads (torch's
+ * OpenMP runtime) split the column groups, and the rows too where groups are fewer than
+ * threads.
  * Each output row's sums run over the inputs in the same order whatever M is: a row gets the
  * same bits in every batch. Accumulation is float32; outputs are rounded to bfloat16 (nearest
- * even) after the bias, as the AMX kernel does. Threads (torch's OpenMP runtime) split the
- * column groups.
+ * even) after the bias, as the AMX kernel does.
  */
 #include <stdint.h>
 #include <string.h>
@@ -70,17 +71,17 @@ ALWAYS_INLINE void micro_tile(const uint16_t *x, int64_t x_stride, const uint16_
                          (col_block + c) * 16);
 }
 
-/* All m rows of column blocks col_block..col_block+C-1: whole 8-row tiles, then the rest. */
+/* Rows row..row+rows-1 of column blocks col_block..col_block+C-1: whole 8-row tiles, then the
+ * rest. */
 ALWAYS_INLINE void column_group(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
                                 const uint16_t *next, int64_t pairs, const uint16_t *bias,
-                                GemmOut out, int64_t m, int64_t col_block, int C) {
-    int64_t row = 0;
-    for (; row + TILE_ROWS <= m; row += TILE_ROWS)
-        micro_tile(x + row * x_stride, x_stride, panel, row == 0 ? next : NULL, pairs, bias, out,
-                   row, col_block, TILE_ROWS, C);
+                                GemmOut out, int64_t row, int64_t rows, int64_t col_block, int C) {
+    const int64_t end = row + rows;
+    for (; row + TILE_ROWS <= end; row += TILE_ROWS, next = NULL)
+        micro_tile(x + row * x_stride, x_stride, panel, next, pairs, bias, out, row, col_block,
+                   TILE_ROWS, C);
     const uint16_t *xr = x + row * x_stride;
-    next = row == 0 ? next : NULL;
-    switch (m - row) { /* constant R: the sums stay in registers */
+    switch (end - row) { /* constant R: the sums stay in registers */
     case 1: micro_tile(xr, x_stride, panel, next, pairs, bias, out, row, col_block, 1, C); break;
     case 2: micro_tile(xr, x_stride, panel, next, pairs, bias, out, row, col_block, 2, C); break;
     case 3: micro_tile(xr, x_stride, panel, next, pairs, bias, out, row, col_block, 3, C); break;
@@ -94,15 +95,15 @@ ALWAYS_INLINE void column_group(const uint16_t *x, int64_t x_stride, const uint1
 
 static void full_group(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
                        const uint16_t *next, int64_t pairs, const uint16_t *bias, GemmOut out,
-                       int64_t m, int64_t col_block) {
-    column_group(x, x_stride, panel, next, pairs, bias, out, m, col_block, GROUP);
+                       int64_t row, int64_t rows, int64_t col_block) {
+    column_group(x, x_stride, panel, next, pairs, bias, out, row, rows, col_block, GROUP);
 }
 
 /* A narrower last group (N / 16 not a multiple of GROUP): one block at a time. */
 static void single_block(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
-                         int64_t pairs, const uint16_t *bias, GemmOut out, int64_t m,
-                         int64_t col_block) {
-    column_group(x, x_stride, panel, NULL, pairs, bias, out, m, col_block, 1);
+                         int64_t pairs, const uint16_t *bias, GemmOut out, int64_t row,
+                         int64_t rows, int64_t col_block) {
+    column_group(x, x_stride, panel, NULL, pairs, bias, out, row, rows, col_block, 1);
 }
 
 int avx512_bf16_available(void) { return 1; }
@@ -112,24 +113,35 @@ int avx512_linear_supported(int64_t m, int64_t n, int64_t k) {
     return m >= 1 && n >= 16 && k >= 32 && n % 16 == 0 && k % 32 == 0;
 }
 
-/* Thread `me` of `threads`: its share of the column groups (the last group may be narrower). */
+/* Thread `me` of `threads`: its share of the work items, column groups (the last may be
+ * narrower) times row parts. Rows are split only when there are fewer groups than threads
+ * (many cores, narrow projections): a group's weights are then read by several threads. */
 static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                          const uint16_t *bias, GemmOut out, int64_t m, int64_t k, int me,
                          int threads) {
     const int64_t pairs = k / 2, panel_elems = pairs * GEMM_PAIR_ELEMS, blocks = out.n / 16;
     const int64_t groups = (blocks + GROUP - 1) / GROUP;
-    const int64_t first = groups * me / threads, last = groups * (me + 1) / threads;
-    for (int64_t g = first; g < last; g++) {
+    const int64_t row_tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+    int64_t parts = (threads + groups - 1) / groups;
+    parts = parts < row_tiles ? parts : row_tiles;
+    const int64_t items = groups * parts;
+    const int64_t first = items * me / threads, last = items * (me + 1) / threads;
+    for (int64_t item = first; item < last; item++) {
+        const int64_t g = item / parts, part = item % parts;
+        const int64_t row = row_tiles * part / parts * TILE_ROWS;
+        const int64_t end = row_tiles * (part + 1) / parts * TILE_ROWS;
+        const int64_t rows = (end < m ? end : m) - row;
         const int64_t block = g * GROUP, width = blocks - block < GROUP ? blocks - block : GROUP;
         const uint16_t *panel = packed + block * panel_elems;
-        const uint16_t *next = g + 1 < last && width == GROUP && blocks - block - GROUP >= GROUP
+        const uint16_t *next = parts == 1 && item + 1 < last && blocks - block - GROUP >= GROUP
                                    ? panel + GROUP * panel_elems
                                    : NULL;
         if (width == GROUP)
-            full_group(x, x_stride, panel, next, pairs, bias, out, m, block);
+            full_group(x, x_stride, panel, next, pairs, bias, out, row, rows, block);
         else
             for (int64_t b = 0; b < width; b++)
-                single_block(x, x_stride, panel + b * panel_elems, pairs, bias, out, m, block + b);
+                single_block(x, x_stride, panel + b * panel_elems, pairs, bias, out, row, rows,
+                             block + b);
     }
 }
 

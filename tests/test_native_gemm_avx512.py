@@ -91,6 +91,24 @@ def test_a_row_gets_the_same_bits_in_any_batch():
 
 
 @needs_avx512_bf16
+@pytest.mark.parametrize("out_features", [48, 80, 960])
+def test_threads_split_columns_and_rows_without_changing_a_bit(out_features):
+    # 48 / 80 outputs: fewer column groups than threads, so the rows are split too.
+    x, weight, bias = _case(37, out_features, 64, seed=7)
+    packed = native.gemm_pack(weight)
+    saved = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 3, 8):
+            torch.set_num_threads(threads)
+            results.append(native.avx512_linear(x, packed, out_features, bias))
+    finally:
+        torch.set_num_threads(saved)
+    assert all(torch.equal(results[0], other) for other in results[1:])
+    _assert_one_rounding_apart(results[0], _reference(x, weight, bias))
+
+
+@needs_avx512_bf16
 def test_unsupported_shapes_are_refused_and_the_layers_fall_back():
     assert native.gemm_pack(torch.randn(40, 64).to(torch.bfloat16)) is None  # 40 % 16
     assert native.gemm_pack(torch.randn(32, 48).to(torch.bfloat16)) is None  # 48 % 32

@@ -22,7 +22,7 @@ from pagedgen.kernels import cpu_backend
 from pagedgen.model.layers.row_tiles import ROWS, RowTiled, in_row_tiles
 
 AMX_MAX_ROWS = 256  # beyond it F.linear catches up, and x no longer fits L2
-AVX512_MAX_ROWS = 256  # the measured crossover with F.linear (bench/bench_gemm.py)
+AVX512_MAX_ROWS = 2048  # at least as fast as oneDNN and F.linear up to here (bench/bench_gemm.py)
 MAX_ROWS = {"amx": AMX_MAX_ROWS, "avx512": AVX512_MAX_ROWS}  # rows our kernels take, per kind
 _KERNELS = {"amx": cpu_backend.amx_linear, "avx512": cpu_backend.avx512_linear}
 
