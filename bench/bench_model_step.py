@@ -1,6 +1,7 @@
 """One model step of the default model vs its GEMM floor.
 
     python bench/bench_model_step.py [--dtype bfloat16] [--threads 1] [--repeats 5]
+    python bench/bench_model_step.py --paths onednn,layers,fused   # the projection paths, in turn
 
 Times (median of --repeats) a decode step of --batch sequences at context --context, and a
 prefill of --prefill tokens (one sequence), each through ModelRunner.execute. The floor of a
@@ -10,10 +11,15 @@ ratio = step / floor: what attention, norms, RoPE, the KV writes and the batch b
 The KV cache holds random values: attention costs the same whatever it reads.
 Both wall time and process CPU time are reported: on a machine shared with other work the
 CPU-time ratio is the steadier figure (it leaves out the time the process was not scheduled).
+--paths runs the same steps once per projection path, one model load each, in this process:
+onednn (PAGEDGEN_NATIVE_GEMM=0: torch's oneDNN on pre-packed weights, layer by layer), layers
+(our AMX or AVX-512 BF16 kernel, layer by layer: PAGEDGEN_FUSED_DECODE=0) and fused (our kernel,
+all decode layers in one native call: the default).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -78,6 +84,17 @@ def report(name: str, step: Timing, floor: Timing, tokens: int) -> None:
           f"ratio {step.cpu_s / floor.cpu_s:4.2f}")
 
 
+PATHS = {"onednn": {"PAGEDGEN_NATIVE_GEMM": "0", "PAGEDGEN_FUSED_DECODE": "0"},
+         "layers": {"PAGEDGEN_NATIVE_GEMM": "1", "PAGEDGEN_FUSED_DECODE": "0"},
+         "fused": {"PAGEDGEN_NATIVE_GEMM": "1", "PAGEDGEN_FUSED_DECODE": "1"}}
+
+
+def projection_path(model) -> str:
+    """What this model's projections and decode layers run on."""
+    kind = getattr(model.layers[0].mlp.gate_up_packed, "kind", "F.linear")
+    return f"{kind}, {'fused decode' if model.fused_decode is not None else 'layer by layer'}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -87,15 +104,28 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--paths", default="", help="comma-separated: " + ", ".join(PATHS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    for path in filter(None, args.paths.split(",")):
+        if path not in PATHS:
+            raise SystemExit(f"--paths: unknown path {path!r} (choose from {', '.join(PATHS)})")
+        os.environ.update(PATHS[path])
+        print(f"--- path {path}")
+        run_steps(args)
+    if not args.paths:
+        run_steps(args)
+
+
+def run_steps(args) -> None:
     loaded = load_model(None, dtype=args.dtype, device="cpu")
     per_seq = -(-(args.context + 1) // args.block_size)
     num_blocks = max(args.batch * per_seq, -(-args.prefill // args.block_size))
     runner = ModelRunner(loaded, args.block_size, num_blocks=num_blocks)
     runner.kv_cache.normal_()
     print(f"model {loaded.name}  dtype {args.dtype}  threads {torch.get_num_threads()}  "
-          f"block_size {args.block_size}  repeats {args.repeats} (median)")
+          f"block_size {args.block_size}  repeats {args.repeats} (median)  "
+          f"projections: {projection_path(loaded.model)}")
     decode = decode_batch(args.batch, args.context, args.block_size)
     report(f"decode batch {args.batch} @ context {args.context}",
            median_timing(lambda: runner.execute(decode, []), args.repeats),

@@ -10,9 +10,11 @@ wrappers around the projection GEMMs), so the engine runs its normal code:
                    tokens, stop checks, freeing, memory tracker) and LLM.generate around steps
 - other forward    the rest of the forward: embedding, norms, RoPE, SiLU, batch metadata
 
-On a CPU with AMX, pure decode steps run all layers in one native call (fused decode) whose
-GEMMs and attention the wrappers cannot see: they are counted under "other forward" there
-(set PAGEDGEN_FUSED_DECODE=0 to split them).
+The attention timers wrap the kernel module, and the one-call decode step (fused decode, on
+AMX and AVX-512 BF16 CPUs) runs only on the bare module: profiled runs take the layers one
+module at a time, which splits the time but leaves out the fused step's saving
+(bench_projection_paths.py measures that, untimed). PAGEDGEN_NATIVE_GEMM=0 puts the projections
+back on torch's oneDNN, the path before our AVX-512 BF16 GEMM.
 
     python bench/profile_suite.py --suite all --fraction 0.25 --threads 1
 """

@@ -24,10 +24,12 @@ from .kv_quant import gather_dequantized, store_kv_quantized
 # The model layers' other CPU fast paths come through here too, so that kernels/native.py stays
 # private to this package. Each returns None where it does not apply (another device or dtype,
 # a CPU without the instructions) and the caller runs plain torch.
-from .native import add_rms_norm, amx_linear, amx_pack, rope, silu_mul  # noqa: E402
+from .native import (add_rms_norm, amx_linear, avx512_linear, gemm_kind, gemm_pack,  # noqa: E402
+                     rope, silu_mul)
 
-__all__ = ["AttentionPlan", "add_rms_norm", "amx_linear", "amx_pack", "copy_blocks", "decode_layers_bf16",
-           "paged_attention", "plan_attention", "rope", "silu_mul", "store_kv"]
+__all__ = ["AttentionPlan", "add_rms_norm", "amx_linear", "avx512_linear", "copy_blocks",
+           "decode_layers_bf16", "gemm_kind", "gemm_pack", "paged_attention", "plan_attention",
+           "rope", "silu_mul", "store_kv"]
 
 
 def decode_layers_bf16(layers: int, num_layers: int, shape: object, buffers: object, threads: int) -> int:

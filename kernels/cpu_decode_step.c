@@ -1,5 +1,6 @@
 /* The decoder layers of a pure decode step (one new token per sequence) for bfloat16 on CPUs
- * with AMX, in one OpenMP parallel region.
+ * with AMX or AVX-512 BF16 (the GEMM that matches the weights' packing), in one OpenMP
+ * parallel region.
  *
  * Why: the same step through Python calls ten kernels per layer, each opening and closing a
  * parallel region, with the interpreter's work for the layer in between, during which the
@@ -15,7 +16,7 @@
 
 typedef struct {
     const uint16_t *input_norm, *post_attention_norm; /* [hidden] */
-    /* amx_pack_weight layouts; the biases are [out] or NULL */
+    /* amx_pack_weight layouts (cpu_gemm_common.h); the biases are [out] or NULL */
     const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *down;
 } DecodeLayerWeights;
 
@@ -23,10 +24,28 @@ typedef struct {
     int64_t hidden, intermediate;
     int num_q_heads, num_kv_heads, head_dim, block_size;
     float rms_norm_eps, scale;
+    int gemm_kind; /* GEMM_AMX or GEMM_AVX512: the kernel the layer-by-layer path uses */
 } DecodeModelShape;
 
+enum { GEMM_AMX = 0, GEMM_AVX512 = 1 };
+
+/* out[T, n] = x[T, k] . W^T (+ bias) on this step's kernel, by the whole team. */
+static void linear_team(const DecodeModelShape *s, const uint16_t *x, int64_t x_stride,
+                        const uint16_t *packed, const uint16_t *bias, uint16_t *out, int64_t m,
+                        int64_t n, int64_t k) {
+    if (s->gemm_kind == GEMM_AVX512)
+        avx512_linear_team(x, x_stride, packed, bias, out, m, n, k);
+    else
+        amx_linear_team(x, x_stride, packed, bias, out, m, n, k);
+}
+
+static int linear_supported(const DecodeModelShape *s, int64_t m, int64_t n, int64_t k) {
+    if (s->gemm_kind == GEMM_AVX512) return avx512_linear_supported(m, n, k);
+    return s->gemm_kind == GEMM_AMX && amx_linear_supported(m, n, k);
+}
+
 /* Rows: one per sequence. Buffers marked 16 have whole 16-row blocks (the AMX GEMM inputs and
- * outputs; rows past `tokens` are scratch). */
+ * outputs; rows past `tokens` are scratch; the AVX-512 GEMM reads and writes `tokens` rows). */
 typedef struct {
     int64_t tokens;
     uint16_t *residual;      /* [T, hidden], updated in place */
@@ -54,7 +73,7 @@ static void decoder_layer_team(const DecodeLayerWeights *w, const DecodeModelSha
     const int64_t q_size = s->num_q_heads * D, kv_size = s->num_kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size, qk_heads = s->num_q_heads + s->num_kv_heads;
     add_rms_norm_team(b->residual, pending, w->input_norm, b->normed, T, H, s->rms_norm_eps);
-    amx_linear_team(b->normed, H, w->qkv, w->qkv_bias, b->qkv, T, qkv_size, H);
+    linear_team(s, b->normed, H, w->qkv, w->qkv_bias, b->qkv, T, qkv_size, H);
     rope_team(b->qkv, qkv_size, b->cos_sin, b->qk_rotated, T, qk_heads, D);
     store_kv_team(b->qk_rotated + q_size, qk_heads * D * 2, b->qkv + q_size + kv_size,
                   qkv_size * 2, k_cache, v_cache, b->slots, T, kv_size * 2);
@@ -63,12 +82,12 @@ static void decoder_layer_team(const DecodeLayerWeights *w, const DecodeModelSha
         qk_heads * D, b->max_blocks, (int)T, s->num_q_heads, s->num_kv_heads, (int)D,
         s->block_size, 1, s->scale};
     decode_attention_team(&attention, failed);
-    amx_linear_team(b->attended, q_size, w->o, w->o_bias, b->attn_out, T, H, q_size);
+    linear_team(s, b->attended, q_size, w->o, w->o_bias, b->attn_out, T, H, q_size);
     add_rms_norm_team(b->residual, b->attn_out, w->post_attention_norm, b->normed, T, H,
                       s->rms_norm_eps);
-    amx_linear_team(b->normed, H, w->gate_up, NULL, b->gate_up, T, 2 * I, H);
+    linear_team(s, b->normed, H, w->gate_up, NULL, b->gate_up, T, 2 * I, H);
     silu_mul_team(b->gate_up, b->activated, T, I);
-    amx_linear_team(b->activated, I, w->down, NULL, b->mlp_out, T, H, I);
+    linear_team(s, b->activated, I, w->down, NULL, b->mlp_out, T, H, I);
 }
 
 static int step_supported(const DecodeModelShape *s, const DecodeStepBuffers *b) {
@@ -81,9 +100,9 @@ static int step_supported(const DecodeModelShape *s, const DecodeStepBuffers *b)
     if (T < 1 || !decode_attention_supported(&attention)) return 0;
     for (int64_t t = 0; t < T; t++)
         if (b->slots[t] >= b->num_slots) return 0;
-    return amx_linear_supported(T, q_size + 2 * kv_size, H) &&
-           amx_linear_supported(T, H, q_size) && amx_linear_supported(T, 2 * I, H) &&
-           amx_linear_supported(T, H, I);
+    return linear_supported(s, T, q_size + 2 * kv_size, H) &&
+           linear_supported(s, T, H, q_size) && linear_supported(s, T, 2 * I, H) &&
+           linear_supported(s, T, H, I);
 }
 
 /* Returns 0 when done, 1 when the shapes are not supported (nothing was touched: run the

@@ -6,8 +6,8 @@
  * step; this kernel streams each weight panel once per call, prefetching the next panel while
  * the tile unit works on the current one, and costs little to call (bench/FIGURES.md).
  *
- * Weights are repacked once at start-up (amx_pack_weight) into the tile unit's VNNI layout:
- * for each block of 16 output columns and 32 inputs, a 1 KB tile whose row k2 holds, for each
+ * Weights are repacked once at start-up (amx_pack_weight, cpu_gemm_common.h) into the tile
+ * unit's VNNI layout: for each block of 16 output columns and 32 inputs, a 1 KB tile whose row k2 holds, for each
  * of the 16 columns, the pair W[n][2 k2], W[n][2 k2 + 1]. Accumulation is float32 in the tiles;
  * outputs are rounded to bfloat16 (nearest even), as oneDNN does; only the summation order
  * differs. Threads (torch's OpenMP runtime) split the output columns.
@@ -15,6 +15,25 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_gemm_common.h"
+
+/* Always compiled: the AVX-512 BF16 kernel (cpu_gemm_avx512.c) reads the same layout. */
+int amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
+    if (n % 16 != 0 || k % 32 != 0) return 1;
+    const int64_t kblocks = k / 32;
+    for (int64_t nb = 0; nb < n / 16; nb++)
+        for (int64_t kb = 0; kb < kblocks; kb++) {
+            uint16_t *tile = out + (nb * kblocks + kb) * GEMM_TILE_ELEMS;
+            for (int k2 = 0; k2 < 16; k2++)
+                for (int col = 0; col < 16; col++) {
+                    const uint16_t *src = w + (nb * 16 + col) * k + kb * 32 + 2 * k2;
+                    tile[k2 * 32 + 2 * col] = src[0];
+                    tile[k2 * 32 + 2 * col + 1] = src[1];
+                }
+        }
+    return 0;
+}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
@@ -25,7 +44,7 @@
 #include <unistd.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-#define TILE_ELEMS 512                /* 16 rows x 32 bf16: one packed weight tile */
+#define TILE_ELEMS GEMM_TILE_ELEMS     /* 16 rows x 32 bf16: one packed weight tile */
 #define MAX_ROW_BLOCKS 4              /* 4 x 16 rows: M <= 64 */
 #define ARCH_REQ_XCOMP_PERM 0x1023    /* Linux: ask for the AMX tile state */
 #define XFEATURE_XTILEDATA 18
@@ -39,22 +58,6 @@ static int amx_permitted(void) {
 }
 
 int amx_available(void) { return amx_permitted(); }
-
-int amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
-    if (n % 16 != 0 || k % 32 != 0) return 1;
-    const int64_t kblocks = k / 32;
-    for (int64_t nb = 0; nb < n / 16; nb++)
-        for (int64_t kb = 0; kb < kblocks; kb++) {
-            uint16_t *tile = out + (nb * kblocks + kb) * TILE_ELEMS;
-            for (int k2 = 0; k2 < 16; k2++)
-                for (int col = 0; col < 16; col++) {
-                    const uint16_t *src = w + (nb * 16 + col) * k + kb * 32 + 2 * k2;
-                    tile[k2 * 32 + 2 * col] = src[0];
-                    tile[k2 * 32 + 2 * col + 1] = src[1];
-                }
-        }
-    return 0;
-}
 
 /* Tile use (configure_full_tiles): 0-3 accumulators of row blocks 0-3; 4 and 6: x row blocks;
  * 5 and 7: weight tiles. */
@@ -119,34 +122,10 @@ ALWAYS_INLINE void column_block(const uint16_t *x, int64_t x_stride_bytes, int64
     if (ROW_BLOCKS > 3) _tile_stored(3, acc[3], 64);
 }
 
-/* The [m, n] output: bf16, or float32 holding the same bf16-rounded values (the LM head's
- * logits, which the sampler wants in float32: one pass over them less). */
-typedef struct {
-    void *data;
-    int64_t n;
-    int f32;
-} Out;
-
-/* 16 sums (+ bias, added in float32 before the one rounding, as oneDNN does) -> bf16, into
- * row `row`, columns col..col+15 of out. */
-ALWAYS_INLINE void store16(const float *sums, const uint16_t *bias, Out out, int64_t row,
-                           int64_t col) {
-    __m512 v = _mm512_loadu_ps(sums);
-    if (bias) {
-        __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias));
-        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
-    }
-    __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v);
-    if (out.f32)
-        _mm512_storeu_si512((float *)out.data + row * out.n + col,
-                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
-    else
-        _mm256_storeu_si256((__m256i *)((uint16_t *)out.data + row * out.n + col), rounded);
-}
-
-static void store_rows(float (*acc)[16][16], int64_t rows, const uint16_t *bias, Out out,
+static void store_rows(float (*acc)[16][16], int64_t rows, const uint16_t *bias, GemmOut out,
                        int64_t col) {
-    for (int64_t r = 0; r < rows; r++) store16(acc[r / 16][r % 16], bias, out, r, col);
+    for (int64_t r = 0; r < rows; r++)
+        gemm_store16(_mm512_loadu_ps(acc[r / 16][r % 16]), bias, out, r, col);
 }
 
 /* Two blocks of 16 output columns for one or two row blocks: each x tile feeds two products
@@ -188,17 +167,18 @@ ALWAYS_INLINE void column_pair(const uint16_t *x, int64_t x_stride_bytes, int64_
 
 /* Rows [0, rows) of a column pair's sums (acc[2 * row block + column block]) into out from
  * row `row`, column `col`. */
-static void store_pair_rows(float (*acc)[16][16], int64_t rows, const uint16_t *bias, Out out,
+static void store_pair_rows(float (*acc)[16][16], int64_t rows, const uint16_t *bias,
+                            GemmOut out,
                             int64_t row, int64_t col) {
     for (int64_t r = 0; r < rows; r++)
         for (int c = 0; c < 2; c++)
-            store16(acc[2 * (r / 16) + c][r % 16], bias ? bias + 16 * c : NULL, out, row + r,
-                    col + 16 * c);
+            gemm_store16(_mm512_loadu_ps(acc[2 * (r / 16) + c][r % 16]),
+                         bias ? bias + 16 * c : NULL, out, row + r, col + 16 * c);
 }
 
 /* M > 16: column pairs, row blocks two at a time (the pair's panels stay in L2 between). */
 static void linear_pairs(const uint16_t *x, int64_t stride_bytes, const uint16_t *packed,
-                         const uint16_t *bias, Out out, int64_t m, int64_t kblocks,
+                         const uint16_t *bias, GemmOut out, int64_t m, int64_t kblocks,
                          int row_blocks, int64_t first_pair, int64_t last_pair) {
     float acc[4][16][16];
     const int64_t pair_elems = 2 * kblocks * TILE_ELEMS, x_block = 16 * stride_bytes / 2;
@@ -227,7 +207,7 @@ int amx_linear_supported(int64_t m, int64_t n, int64_t k) {
 /* This thread's share (thread `me` of `threads`) of the output columns. x has whole 16-row
  * blocks readable (rows past m are read and their sums dropped). */
 static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
-                         const uint16_t *bias, Out out, int64_t m, int64_t k, int me,
+                         const uint16_t *bias, GemmOut out, int64_t m, int64_t k, int me,
                          int threads) {
     const int64_t n = out.n;
     const int64_t kblocks = k / 32, column_blocks = n / 16, stride_bytes = x_stride * 2;
@@ -259,7 +239,7 @@ static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *pa
  * in a barrier. The caller checked amx_linear_supported and gives x whole 16-row blocks. */
 void amx_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                      const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k) {
-    const Out rows = {out, n, 0};
+    const GemmOut rows = {out, n, 0};
     linear_share(x, x_stride, packed, bias, rows, m, k, omp_get_thread_num(),
                  omp_get_num_threads());
 #pragma omp barrier
@@ -281,7 +261,7 @@ int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
         for (int64_t r = 0; r < m; r++) memcpy(padded + r * k, x + r * x_stride, (size_t)k * 2);
         x = padded, x_stride = k;
     }
-    const Out rows = {out, n, out_f32};
+    const GemmOut rows = {out, n, out_f32};
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
     linear_share(x, x_stride, packed, bias, rows, m, k, omp_get_thread_num(),
                  omp_get_num_threads());
@@ -295,7 +275,6 @@ int amx_available(void) { return 0; }
 int amx_linear_supported(int64_t m, int64_t n, int64_t k) { return 0; }
 void amx_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                      const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k) {}
-int amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) { return 1; }
 int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                     const uint16_t *bias, void *out, int64_t m, int64_t n, int64_t k,
                     int out_f32, int num_threads) {

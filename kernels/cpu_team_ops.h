@@ -22,6 +22,13 @@ int amx_linear_supported(int64_t m, int64_t n, int64_t k);
 void amx_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                      const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k);
 
+/* cpu_gemm_avx512.c: any rows (x needs no padding); same packing as the AMX kernel.
+ * avx512_bf16_available: the build (-march=native) has AVX-512 BF16. */
+int avx512_bf16_available(void);
+int avx512_linear_supported(int64_t m, int64_t n, int64_t k);
+void avx512_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                        const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k);
+
 /* cpu_store_kv.c: slots already checked against the cache's capacity. */
 void store_kv_team(const void *key, int64_t key_stride_bytes, const void *value,
                    int64_t value_stride_bytes, void *k_cache, void *v_cache, const int64_t *slots,

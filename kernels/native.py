@@ -1,8 +1,8 @@
 """Build-on-first-use loader for the C kernels, one shared library: decode attention
 (cpu_decode_attention.c, cpu_decode_attention_bf16.c), the fused bf16 elementwise ops
-(cpu_fused_ops.c), the KV row store (cpu_store_kv.c), the skinny AMX GEMM (cpu_gemm_amx.c) and
-prefill attention (cpu_prefill_attention_amx.c, cpu_prefill_attention_avx512.c, the latter also
-over 8-bit pools).
+(cpu_fused_ops.c), the KV row store (cpu_store_kv.c), the skinny bf16 GEMMs (cpu_gemm_amx.c,
+cpu_gemm_avx512.c: AMX, else AVX-512 BF16, one weight packing for both) and prefill attention
+(cpu_prefill_attention_amx.c, cpu_prefill_attention_avx512.c, the latter also over 8-bit pools).
 
 The shared library is compiled once per machine with the system C compiler and cached under
 $PAGEDGEN_CACHE_DIR (default ~/.cache/pagedgen) keyed by a hash of the source, the flags and
@@ -31,12 +31,14 @@ from . import native_cache
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_decode_attention.c", "cpu_decode_attention_bf16.c",
                         "cpu_decode_attention_q8.c", "cpu_fused_ops.c",
-                        "cpu_store_kv.c", "cpu_store_kv_q8.c", "cpu_gemm_amx.c", "cpu_decode_step.c",
+                        "cpu_store_kv.c", "cpu_store_kv_q8.c", "cpu_gemm_amx.c", "cpu_gemm_avx512.c",
+                        "cpu_decode_step.c",
                         "cpu_prefill_attention_amx.c",
                         "cpu_prefill_attention_avx512.c")]
 HEADERS = [Path(__file__).with_name(name)  # part of the cache key
            for name in ("cpu_decode_shapes.h", "cpu_team_ops.h", "cpu_decode_scores_amx.h",
-                        "cpu_decode_bf16_blocks.h", "cpu_x86_common.h", "cpu_kv_codes.h")]
+                        "cpu_decode_bf16_blocks.h", "cpu_x86_common.h", "cpu_kv_codes.h",
+                        "cpu_gemm_common.h")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
     "paged_decode_attention": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +
@@ -55,6 +57,9 @@ _SIGNATURES = {  # name: argtypes (every function returns int: 0 = done)
     "amx_pack_weight": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p],
     "amx_linear_bf16": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +
                        [ctypes.c_int64] * 3 + [ctypes.c_int] * 2,
+    "avx512_bf16_available": [],
+    "avx512_linear_bf16": [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 +
+                          [ctypes.c_int64] * 3 + [ctypes.c_int] * 2,
     "add_rms_norm_bf16": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float,
                                                                         ctypes.c_int],
     "silu_mul_bf16": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int],
@@ -357,11 +362,24 @@ def store_kv_q8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     return True
 
 
-def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The [N, K] bf16 weight repacked into AMX tiles (cpu_gemm_amx.c), or None when the CPU,
-    the build or the shape (N % 16, K % 32) does not allow it."""
+def gemm_kind() -> str | None:
+    """The skinny bf16 GEMM this CPU runs on packed weights: "amx", "avx512" (AVX-512 BF16,
+    no AMX), or None (no such CPU, no native library, or PAGEDGEN_NATIVE_GEMM=0, which leaves
+    the projections to torch for comparisons)."""
     library = load()
-    if library is None or weight.dim() != 2 or not _bf16_cpu(weight) or not library.amx_available():
+    if library is None or os.environ.get("PAGEDGEN_NATIVE_GEMM", "1") == "0":
+        return None
+    if library.amx_available():
+        return "amx"
+    return "avx512" if library.avx512_bf16_available() else None
+
+
+def gemm_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The [N, K] bf16 weight repacked for the GEMM kernels (cpu_gemm_common.h: AMX tiles,
+    which are VDPBF16PS operands too), or None when the shape (N % 16, K % 32) or the native
+    library does not allow it."""
+    library = load()
+    if library is None or weight.dim() != 2 or not _bf16_cpu(weight):
         return None
     n, k = weight.shape
     packed = torch.empty(n * k, dtype=torch.bfloat16)
@@ -370,12 +388,33 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """gemm_pack where the CPU has AMX (cpu_gemm_amx.c), else None."""
+    library = load()
+    if library is None or not library.amx_available():
+        return None
+    return gemm_pack(weight)
+
+
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
-    """x @ W.T (+ bias) for bf16 x [M, K] (rows may be strided) and W packed by amx_pack;
-    None (nothing computed) when the native path does not apply. out_dtype float32 gives the
-    same bf16-rounded values widened (what `.float()` of the bf16 result would give)."""
+    """x @ W.T (+ bias) for bf16 x [M, K] (rows may be strided) and W packed by gemm_pack, on
+    AMX; None (nothing computed) when the native path does not apply. out_dtype float32 gives
+    the same bf16-rounded values widened (what `.float()` of the bf16 result would give)."""
+    return _packed_linear("amx_linear_bf16", x, packed, out_features, bias, out_dtype)
+
+
+def avx512_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+    """amx_linear with VDPBF16PS (cpu_gemm_avx512.c) on the same packing: CPUs with AVX-512
+    BF16; None (nothing computed) where it does not apply."""
+    return _packed_linear("avx512_linear_bf16", x, packed, out_features, bias, out_dtype)
+
+
+def _packed_linear(kernel: str, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                   bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
     library = load()
     if library is None or x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_cpu:
         return None
@@ -387,10 +426,10 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     if out_dtype not in (torch.bfloat16, torch.float32):
         return None
     out = torch.empty(rows, out_features, dtype=out_dtype)
-    status = library.amx_linear_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(),
-                                     None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                     rows, out_features, k, int(out_dtype == torch.float32),
-                                     torch.get_num_threads())
+    status = getattr(library, kernel)(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                      None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                      rows, out_features, k, int(out_dtype == torch.float32),
+                                      torch.get_num_threads())
     return out if status == 0 else None
 
 

@@ -20,7 +20,8 @@ def _runner(model_path: str | None) -> ModelRunner:
     loaded = load_model(model_path, dtype=torch.bfloat16, device="cpu")  # private: we toggle it
     runner = ModelRunner(loaded, BLOCK_SIZE, num_blocks=64)
     if runner.model.fused_decode is None:
-        pytest.skip("no fused decode here (needs the native kernels and AMX)")
+        pytest.skip("no fused decode here (needs the native kernels and AMX or AVX-512 BF16)")
+    assert runner.model.fused_decode.gemm_kind == native.gemm_kind()
     return runner
 
 
@@ -76,13 +77,20 @@ def test_fused_decode_can_be_switched_off(monkeypatch):
     assert loaded.model.fused_decode is None
 
 
+def test_no_fused_decode_on_onednn_packed_weights(monkeypatch):
+    monkeypatch.setenv("PAGEDGEN_NATIVE_GEMM", "0")  # projections through torch's oneDNN
+    loaded = load_model(str(tiny_model_dir("llama")), dtype=torch.bfloat16, device="cpu")
+    ModelRunner(loaded, BLOCK_SIZE, num_blocks=8)
+    assert loaded.model.fused_decode is None
+
+
 def test_engine_outputs_do_not_depend_on_the_fused_step(monkeypatch):
     # The whole engine on the default model in bf16: sampling with n=3 (shared prompt blocks,
     # copy-on-write) and a pool small enough to preempt; same seeds -> same texts either way.
     from pagedgen import LLM, SamplingParams
 
-    if native.load() is None or not native.load().amx_available():
-        pytest.skip("no fused decode here (needs the native kernels and AMX)")
+    if native.gemm_kind() is None:
+        pytest.skip("no fused decode here (needs the native kernels and AMX or AVX-512 BF16)")
     prompts = ["The capital of France is", "def add(a, b):"]
     params = SamplingParams(n=3, temperature=0.8, top_p=0.95, max_tokens=20, seed=7)
     texts, preemptions = {}, {}

@@ -1,12 +1,14 @@
-"""A pure decode step's decoder layers in one native call (CPU, bfloat16, AMX-packed weights).
+"""A pure decode step's decoder layers in one native call (CPU, bfloat16, weights packed for
+our AMX or AVX-512 BF16 GEMM).
 
 `LlamaDecoder.forward` runs its layers one module at a time; on CPU that is ten native kernels
 per layer, each opening an OpenMP region, with Python in between while the other threads wait
 (a noticeable share of a decode step: bench/FIGURES.md).
 `kernels/cpu_decode_step.c` runs the same kernels in the same order inside one region, so the
 result is bit-identical; this module describes the weights to it once and the step's buffers
-on every call. Anything it does not cover (prefill chunks, float32, Qwen3's q/k norm, no
-AMX, more rows than the AMX path takes) returns None and the model runs its layers as before.
+on every call. Anything it does not cover (prefill chunks, float32, Qwen3's q/k norm, weights
+not packed for our kernels, more rows than the layers' GEMM kernel takes) returns None and the
+model runs its layers as before.
 PAGEDGEN_FUSED_DECODE=0 turns it off (for comparisons).
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedgen.kernels import cpu_backend
-from pagedgen.model.layers.linear import AMX_MAX_ROWS
+from pagedgen.model.layers.linear import MAX_ROWS
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,7 +42,11 @@ class DecodeModelShape(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64),
                 ("num_q_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
                 ("head_dim", ctypes.c_int), ("block_size", ctypes.c_int),
-                ("rms_norm_eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                ("rms_norm_eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("gemm_kind", ctypes.c_int)]
+
+
+_GEMM_KINDS = {"amx": 0, "avx512": 1}  # cpu_decode_step.c's GEMM_AMX, GEMM_AVX512
 
 
 _SCRATCH = ("normed", "qkv", "qk_rotated", "attended", "attn_out", "gate_up", "activated")
@@ -61,18 +67,20 @@ def _address(tensor: torch.Tensor | None) -> int | None:
 class FusedDecode:
     layers: ctypes.Array  # DecodeLayerWeights per layer; the tensors stay owned by the model
     row_widths: dict[str, int]  # scratch name -> elements per row
+    gemm_kind: str  # the packing of every weight: "amx" or "avx512"
 
     @classmethod
     def build(cls, config: ModelConfig, decoder_layers: nn.ModuleList) -> FusedDecode | None:
         """The layer descriptions, or None when the model's layers are not all covered."""
         if config.qk_norm or os.environ.get("PAGEDGEN_FUSED_DECODE", "1") == "0":
             return None
-        layers = []
+        layers, kinds = [], set()
         for layer in decoder_layers:
             attention, mlp = layer.attention, layer.mlp
             packed = (attention.qkv_packed, attention.o_packed, mlp.gate_up_packed, mlp.down_packed)
-            if any(p is None or p.kind != "amx" for p in packed):
+            if any(p is None or p.kind not in _GEMM_KINDS for p in packed):
                 return None
+            kinds.update(p.kind for p in packed)
             layers.append(DecodeLayerWeights(
                 _address(layer.input_norm.weight), _address(layer.post_attention_norm.weight),
                 _address(packed[0].data), _address(attention.qkv_bias), _address(packed[1].data),
@@ -82,7 +90,9 @@ class FusedDecode:
                   "qk_rotated": q_size + kv_size, "attended": q_size,
                   "attn_out": config.hidden_size, "gate_up": 2 * config.intermediate_size,
                   "activated": config.intermediate_size, "mlp_out": config.hidden_size}
-        return cls((DecodeLayerWeights * len(layers))(*layers), widths)
+        if len(kinds) != 1:  # no layers, or (never seen) weights packed for different kernels
+            return None
+        return cls((DecodeLayerWeights * len(layers))(*layers), widths, kinds.pop())
 
     def run(self, config: ModelConfig, hidden: torch.Tensor, step: StepMetadata,
             kv_cache: torch.Tensor) -> torch.Tensor | None:
@@ -91,7 +101,7 @@ class FusedDecode:
         plan = step.plan
         tokens = hidden.shape[0]
         if (step.ops is not cpu_backend or plan is None or plan.prefills or plan.decode is None
-                or tokens > AMX_MAX_ROWS or hidden.dtype != torch.bfloat16
+                or tokens > MAX_ROWS[self.gemm_kind] or hidden.dtype != torch.bfloat16
                 or kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous()
                 or step.slot_mapping.dtype != torch.int64 or not hidden.is_contiguous()):
             return None
@@ -99,7 +109,8 @@ class FusedDecode:
         scratch = self._scratch(tokens)
         shape = DecodeModelShape(config.hidden_size, config.intermediate_size, config.num_heads,
                             config.num_kv_heads, config.head_dim, kv_cache.shape[3],
-                            config.rms_norm_eps, config.head_dim ** -0.5)
+                            config.rms_norm_eps, config.head_dim ** -0.5,
+                            _GEMM_KINDS[self.gemm_kind])
         buffers = DecodeStepBuffers(
             tokens, hidden.data_ptr(), scratch["mlp_out"].data_ptr(), step.rope.data_ptr(),
             step.slot_mapping.data_ptr(), kv_cache.data_ptr(), kv_cache.shape[2] * kv_cache.shape[3],
