@@ -25,15 +25,15 @@ from .kv_quant import gather_dequantized, store_kv_quantized
 # private to this package. Each returns None where it does not apply (another device or dtype,
 # a CPU without the instructions) and the caller runs plain torch.
 from .native import (add_rms_norm, amx_linear, avx512_linear, gemm_kind, gemm_pack,  # noqa: E402
-                     rope, silu_mul)
+                     kv_code, rope, silu_mul)
 
 __all__ = ["AttentionPlan", "add_rms_norm", "amx_linear", "avx512_linear", "copy_blocks",
-           "decode_layers_bf16", "gemm_kind", "gemm_pack", "paged_attention", "plan_attention",
+           "decode_layers_bf16", "gemm_kind", "gemm_pack", "kv_code", "paged_attention", "plan_attention",
            "rope", "silu_mul", "store_kv"]
 
 
 def decode_layers_bf16(layers: int, num_layers: int, shape: object, buffers: object, threads: int) -> int:
-    """All decoder layers of a pure bf16 decode step in one native call (kernels/cpu_decode_step.c,
+    """All decoder layers of a pure bf16 decode step (bf16 or 8-bit pool) in one native call (kernels/cpu_decode_step.c,
     structs mirrored in pagedgen/model/layers/fused_decode.py): 0 done, 1 not covered, 2 no memory."""
     return native.load().decode_layers_bf16(layers, num_layers, shape, buffers, threads)
 

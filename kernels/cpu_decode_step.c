@@ -1,6 +1,6 @@
 /* The decoder layers of a pure decode step (one new token per sequence) for bfloat16 on CPUs
- * with AMX or AVX-512 BF16 (the GEMM that matches the weights' packing), in one OpenMP
- * parallel region.
+ * with AMX or AVX-512 BF16 (the GEMM that matches the weights' packing), over a bf16 or an
+ * 8-bit KV pool, in one OpenMP parallel region.
  *
  * Why: the same step through Python calls ten kernels per layer, each opening and closing a
  * parallel region, with the interpreter's work for the layer in between, during which the
@@ -52,7 +52,8 @@ typedef struct {
     uint16_t *mlp_out;       /* 16 [T, hidden]: the last layer's MLP output on return */
     const uint16_t *cos_sin; /* [T, 2, head_dim / 2]: RoPE rows of the tokens' positions */
     const int64_t *slots;    /* [T]: cache slot of each new token, -1 = skip */
-    uint16_t *kv_cache;      /* [layers, 2, blocks, block_size, kv_heads, head_dim] */
+    void *kv_cache;          /* [layers, 2, blocks, block_size, kv_heads, head_dim]: bf16, or
+                                8-bit codes when kv_codes != 0 */
     int64_t num_slots;       /* blocks * block_size */
     const int64_t *block_tables, *seq_lens; /* [T, max_blocks], [T] */
     int64_t max_blocks;
@@ -64,10 +65,36 @@ typedef struct {
     uint16_t *attn_out;   /* 16 [T, hidden] */
     uint16_t *gate_up;    /* 16 [T, 2 intermediate] */
     uint16_t *activated;  /* 16 [T, intermediate] */
+    /* 8-bit pools (DecodeAttention's kv_codes, 0: bf16): float32 scales [layers, 2, blocks,
+     * kv_heads]; each new token in a block of its own (the caller checks) */
+    float *kv_scales;
+    int kv_codes;
 } DecodeStepBuffers;
 
+/* One layer's slice of the pool. */
+typedef struct {
+    void *k, *v;
+    float *k_scales, *v_scales; /* NULL for bf16 pools */
+} LayerCache;
+
+/* The new tokens' K (rotated) and V into the pool, quantizing for an 8-bit one. */
+static void store_new_kv(const DecodeModelShape *s, const DecodeStepBuffers *b,
+                         const LayerCache *cache) {
+    const int64_t D = s->head_dim, q_size = s->num_q_heads * D, kv_size = s->num_kv_heads * D;
+    const int64_t qk_stride = (s->num_q_heads + s->num_kv_heads) * D * 2;
+    const int64_t v_stride = (q_size + 2 * kv_size) * 2;
+    const uint16_t *key = b->qk_rotated + q_size, *value = b->qkv + q_size + kv_size;
+    if (b->kv_codes)
+        store_kv_q8_team(key, qk_stride, value, v_stride, 1, cache->k, cache->v, cache->k_scales,
+                         cache->v_scales, b->slots, b->tokens, s->num_kv_heads, D, s->block_size,
+                         b->kv_codes);
+    else
+        store_kv_team(key, qk_stride, value, v_stride, cache->k, cache->v, b->slots, b->tokens,
+                      kv_size * 2);
+}
+
 static void decoder_layer_team(const DecodeLayerWeights *w, const DecodeModelShape *s,
-                               const DecodeStepBuffers *b, uint16_t *k_cache, uint16_t *v_cache,
+                               const DecodeStepBuffers *b, const LayerCache *cache,
                                const uint16_t *pending, int *failed) {
     const int64_t T = b->tokens, H = s->hidden, I = s->intermediate, D = s->head_dim;
     const int64_t q_size = s->num_q_heads * D, kv_size = s->num_kv_heads * D;
@@ -75,12 +102,11 @@ static void decoder_layer_team(const DecodeLayerWeights *w, const DecodeModelSha
     add_rms_norm_team(b->residual, pending, w->input_norm, b->normed, T, H, s->rms_norm_eps);
     linear_team(s, b->normed, H, w->qkv, w->qkv_bias, b->qkv, T, qkv_size, H);
     rope_team(b->qkv, qkv_size, b->cos_sin, b->qk_rotated, T, qk_heads, D);
-    store_kv_team(b->qk_rotated + q_size, qk_heads * D * 2, b->qkv + q_size + kv_size,
-                  qkv_size * 2, k_cache, v_cache, b->slots, T, kv_size * 2);
+    store_new_kv(s, b, cache);
     const DecodeAttention attention = {
-        b->qk_rotated, k_cache, v_cache, b->block_tables, b->seq_lens, b->attended,
+        b->qk_rotated, cache->k, cache->v, b->block_tables, b->seq_lens, b->attended,
         qk_heads * D, b->max_blocks, (int)T, s->num_q_heads, s->num_kv_heads, (int)D,
-        s->block_size, 1, s->scale};
+        s->block_size, 1, s->scale, cache->k_scales, cache->v_scales, b->kv_codes};
     decode_attention_team(&attention, failed);
     linear_team(s, b->attended, q_size, w->o, w->o_bias, b->attn_out, T, H, q_size);
     add_rms_norm_team(b->residual, b->attn_out, w->post_attention_norm, b->normed, T, H,
@@ -96,7 +122,8 @@ static int step_supported(const DecodeModelShape *s, const DecodeStepBuffers *b)
     const DecodeAttention attention = {NULL, NULL, NULL, NULL, NULL, NULL,
                                        (s->num_q_heads + s->num_kv_heads) * D, b->max_blocks,
                                        (int)T, s->num_q_heads, s->num_kv_heads, (int)D,
-                                       s->block_size, 1, s->scale};
+                                       s->block_size, 1, s->scale, b->kv_scales, b->kv_scales,
+                                       b->kv_codes};
     if (T < 1 || !decode_attention_supported(&attention)) return 0;
     for (int64_t t = 0; t < T; t++)
         if (b->slots[t] >= b->num_slots) return 0;
@@ -111,13 +138,18 @@ int decode_layers_bf16(const DecodeLayerWeights *layers, int num_layers,
                        const DecodeModelShape *shape, const DecodeStepBuffers *buffers,
                        int num_threads) {
     if (!step_supported(shape, buffers)) return 1;
-    const int64_t cache_elems = buffers->num_slots * shape->num_kv_heads * shape->head_dim;
+    const int64_t heads = shape->num_kv_heads, blocks = buffers->num_slots / shape->block_size;
+    const int64_t cache_bytes = buffers->num_slots * heads * shape->head_dim *
+                                (buffers->kv_codes ? 1 : 2);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
     for (int l = 0; l < num_layers; l++) {
-        uint16_t *k_cache = buffers->kv_cache + 2 * l * cache_elems;
-        decoder_layer_team(&layers[l], shape, buffers, k_cache, k_cache + cache_elems,
-                           l == 0 ? NULL : buffers->mlp_out, &failed);
+        char *k_cache = (char *)buffers->kv_cache + 2 * l * cache_bytes;
+        float *k_scales = buffers->kv_codes ? buffers->kv_scales + 2 * l * blocks * heads : NULL;
+        const LayerCache cache = {k_cache, k_cache + cache_bytes, k_scales,
+                                  k_scales ? k_scales + blocks * heads : NULL};
+        decoder_layer_team(&layers[l], shape, buffers, &cache, l == 0 ? NULL : buffers->mlp_out,
+                           &failed);
     }
     return failed ? 2 : 0;
 }

@@ -10,8 +10,11 @@
  * even on the float32 bits (normal range) or on multiples of the subnormal step.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_team_ops.h"
 
 typedef struct {
     float qmax;
@@ -85,16 +88,17 @@ static void store_head(const void *src, int is_bf16, uint8_t *block_codes, float
     *scale = now;
 }
 
-/* Returns 1, writing nothing, when a slot is past the cache. */
-int store_kv_q8(const void *key, int64_t key_stride_bytes, const void *value,
-                int64_t value_stride_bytes, int is_bf16, void *k_cache, void *v_cache,
-                float *k_scales, float *v_scales, const int64_t *slots, int64_t rows,
-                int64_t heads, int64_t dim, int64_t block_size, int64_t capacity, int kv_codes) {
-    for (int64_t t = 0; t < rows; t++)
-        if (slots[t] >= capacity) return 1;
+/* This thread's share of the rows (each row in a block of its own: the caller checks, so no two
+ * threads touch one block), ending in a barrier; outside a region, every row. */
+void store_kv_q8_team(const void *key, int64_t key_stride_bytes, const void *value,
+                      int64_t value_stride_bytes, int is_bf16, void *k_cache, void *v_cache,
+                      float *k_scales, float *v_scales, const int64_t *slots, int64_t rows,
+                      int64_t heads, int64_t dim, int64_t block_size, int kv_codes) {
     const Format f = format_of(kv_codes);
     const int64_t elem = is_bf16 ? 2 : 4, block_bytes = block_size * heads * dim;
-    for (int64_t t = 0; t < rows; t++) {
+    const int me = omp_get_thread_num(), threads = omp_get_num_threads();
+    const int64_t first = rows * me / threads, last = rows * (me + 1) / threads;
+    for (int64_t t = first; t < last; t++) {
         if (slots[t] < 0) continue;
         const int64_t block = slots[t] / block_size, off = slots[t] % block_size;
         for (int64_t h = 0; h < heads; h++) {
@@ -106,5 +110,18 @@ int store_kv_q8(const void *key, int64_t key_stride_bytes, const void *value,
                        h, heads, dim, block_size, &f);
         }
     }
+#pragma omp barrier
+}
+
+/* The Python entry point, on the calling thread. Returns 1, writing nothing, when a slot is
+ * past the cache. */
+int store_kv_q8(const void *key, int64_t key_stride_bytes, const void *value,
+                int64_t value_stride_bytes, int is_bf16, void *k_cache, void *v_cache,
+                float *k_scales, float *v_scales, const int64_t *slots, int64_t rows,
+                int64_t heads, int64_t dim, int64_t block_size, int64_t capacity, int kv_codes) {
+    for (int64_t t = 0; t < rows; t++)
+        if (slots[t] >= capacity) return 1;
+    store_kv_q8_team(key, key_stride_bytes, value, value_stride_bytes, is_bf16, k_cache, v_cache,
+                     k_scales, v_scales, slots, rows, heads, dim, block_size, kv_codes);
     return 0;
 }

@@ -34,6 +34,13 @@ void store_kv_team(const void *key, int64_t key_stride_bytes, const void *value,
                    int64_t value_stride_bytes, void *k_cache, void *v_cache, const int64_t *slots,
                    int64_t rows, int64_t row_bytes);
 
+/* cpu_store_kv_q8.c: the quantizing store of an 8-bit pool (kv_codes as in DecodeAttention
+ * below); each row in a block of its own, slots already checked. */
+void store_kv_q8_team(const void *key, int64_t key_stride_bytes, const void *value,
+                      int64_t value_stride_bytes, int is_bf16, void *k_cache, void *v_cache,
+                      float *k_scales, float *v_scales, const int64_t *slots, int64_t rows,
+                      int64_t heads, int64_t dim, int64_t block_size, int kv_codes);
+
 /* cpu_decode_attention.c / cpu_decode_attention_bf16.c: one query token per sequence. */
 typedef struct {
     const void *q, *k_cache, *v_cache;

@@ -189,6 +189,11 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 _KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
 
+def kv_code(dtype: torch.dtype) -> int | None:
+    """The C kernels' number for an 8-bit pool's code dtype (DecodeAttention.kv_codes), else None."""
+    return _KV_CODES.get(dtype)
+
+
 def decode_attention_q8(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         k_scales: torch.Tensor, v_scales: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,

@@ -1,6 +1,6 @@
 """The one-call decode step (kernels/cpu_decode_step.c via pagedgen/model/layers/fused_decode.py) gives
-bit-identical logits and KV cache to running the layers one module at a time, and steps it
-does not cover (prefill chunks) still run the layers."""
+bit-identical logits and KV cache (8-bit pools: codes and scales) to running the layers one
+module at a time, and steps it does not cover (prefill chunks) still run the layers."""
 from __future__ import annotations
 
 import pytest
@@ -16,9 +16,9 @@ BLOCK_SIZE = 8
 PROMPT_LENGTHS = [1, 7, 8, 20]  # a lone token, block size -1, +0, several blocks
 
 
-def _runner(model_path: str | None) -> ModelRunner:
+def _runner(model_path: str | None, kv_cache_dtype: str = "auto") -> ModelRunner:
     loaded = load_model(model_path, dtype=torch.bfloat16, device="cpu")  # private: we toggle it
-    runner = ModelRunner(loaded, BLOCK_SIZE, num_blocks=64)
+    runner = ModelRunner(loaded, BLOCK_SIZE, num_blocks=64, kv_cache_dtype=kv_cache_dtype)
     if runner.model.fused_decode is None:
         pytest.skip("no fused decode here (needs the native kernels and AMX or AVX-512 BF16)")
     assert runner.model.fused_decode.gemm_kind == native.gemm_kind()
@@ -41,7 +41,9 @@ def _generate(runner: ModelRunner, fused: bool, steps: int = 5):
     saved = runner.model.fused_decode
     spy = _Spy(saved)
     runner.model.fused_decode = spy if fused else None
-    runner.kv_cache.zero_()
+    runner.kv_cache.view(torch.uint8).zero_()
+    if runner.kv_scales is not None:
+        runner.kv_scales.zero_()
     lengths = list(PROMPT_LENGTHS)
     tables = sequential_block_tables([n + steps for n in lengths], BLOCK_SIZE)
     prompts = [[(7 * s + 3 * t) % 100 + 1 for t in range(n)] for s, n in enumerate(lengths)]
@@ -54,20 +56,26 @@ def _generate(runner: ModelRunner, fused: bool, steps: int = 5):
         logits.append(runner.execute(batch, []))
         lengths = [n + 1 for n in lengths]
     runner.model.fused_decode = saved
-    return logits, runner.kv_cache.clone(), spy
+    scales = None if runner.kv_scales is None else runner.kv_scales.clone()
+    return logits, (runner.kv_cache.view(torch.uint8).clone(), scales), spy
 
 
-@pytest.mark.parametrize("model", ["tiny", "default"])
-def test_fused_decode_is_bit_identical_to_the_layers(model):
+@pytest.mark.parametrize("model, kv_cache_dtype", [
+    ("tiny", "auto"), ("default", "auto"),
+    ("tiny", "int8"), ("tiny", "fp8_e4m3"), ("tiny", "fp8_e5m2"), ("default", "int8")])
+def test_fused_decode_is_bit_identical_to_the_layers(model, kv_cache_dtype):
     # tiny: head_dim 16 (the portable attention loop); default: SmolLM2, head_dim 64 (AVX-512).
-    runner = _runner(str(tiny_model_dir("llama")) if model == "tiny" else None)
+    # 8-bit pools: the codes and their scales (re-quantized as blocks fill) must match too.
+    runner = _runner(str(tiny_model_dir("llama")) if model == "tiny" else None, kv_cache_dtype)
     fused_logits, fused_cache, spy = _generate(runner, fused=True)
     layer_logits, layer_cache, _ = _generate(runner, fused=False)
     # The prefill step was not covered (returned None), every decode step was.
     assert [r is not None for r in spy.results] == [False] + [True] * (len(fused_logits) - 1)
     for fused, layered in zip(fused_logits, layer_logits):
         assert torch.equal(fused, layered)
-    assert torch.equal(fused_cache, layer_cache)
+    assert torch.equal(fused_cache[0], layer_cache[0])
+    if kv_cache_dtype != "auto":
+        assert torch.equal(fused_cache[1], layer_cache[1])
 
 
 def test_fused_decode_can_be_switched_off(monkeypatch):
@@ -84,7 +92,8 @@ def test_no_fused_decode_on_onednn_packed_weights(monkeypatch):
     assert loaded.model.fused_decode is None
 
 
-def test_engine_outputs_do_not_depend_on_the_fused_step(monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_engine_outputs_do_not_depend_on_the_fused_step(monkeypatch, kv_cache_dtype):
     # The whole engine on the default model in bf16: sampling with n=3 (shared prompt blocks,
     # copy-on-write) and a pool small enough to preempt; same seeds -> same texts either way.
     from pagedgen import LLM, SamplingParams
@@ -96,7 +105,8 @@ def test_engine_outputs_do_not_depend_on_the_fused_step(monkeypatch):
     texts, preemptions = {}, {}
     for fused in ("1", "0"):
         monkeypatch.setenv("PAGEDGEN_FUSED_DECODE", fused)
-        llm = LLM(threads=1, dtype="bfloat16", num_blocks=6, block_size=16)
+        llm = LLM(threads=1, dtype="bfloat16", num_blocks=6, block_size=16,
+                  kv_cache_dtype=kv_cache_dtype)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         texts[fused] = [[sample.text for sample in out.outputs] for out in outputs]
         preemptions[fused] = llm.memory_report()["summary"]["preemptions"]

@@ -1,5 +1,5 @@
 """A pure decode step's decoder layers in one native call (CPU, bfloat16, weights packed for
-our AMX or AVX-512 BF16 GEMM).
+our AMX or AVX-512 BF16 GEMM, a bf16 or an 8-bit KV pool).
 
 `LlamaDecoder.forward` runs its layers one module at a time; on CPU that is ten native kernels
 per layer, each opening an OpenMP region, with Python in between while the other threads wait
@@ -56,7 +56,8 @@ class DecodeStepBuffers(ctypes.Structure):
     _fields_ = [("tokens", ctypes.c_int64), ("residual", _ptr), ("mlp_out", _ptr),
                 ("cos_sin", _ptr), ("slots", _ptr), ("kv_cache", _ptr),
                 ("num_slots", ctypes.c_int64), ("block_tables", _ptr), ("seq_lens", _ptr),
-                ("max_blocks", ctypes.c_int64)] + [(name, _ptr) for name in _SCRATCH]
+                ("max_blocks", ctypes.c_int64)] + [(name, _ptr) for name in _SCRATCH] + [
+                ("kv_scales", _ptr), ("kv_codes", ctypes.c_int)]
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:
@@ -102,8 +103,11 @@ class FusedDecode:
         tokens = hidden.shape[0]
         if (step.ops is not cpu_backend or plan is None or plan.prefills or plan.decode is None
                 or tokens > MAX_ROWS[self.gemm_kind] or hidden.dtype != torch.bfloat16
-                or kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous()
-                or step.slot_mapping.dtype != torch.int64 or not hidden.is_contiguous()):
+                or not kv_cache.is_contiguous() or step.slot_mapping.dtype != torch.int64
+                or not hidden.is_contiguous()):
+            return None
+        kv_codes = _pool_codes(kv_cache, step)
+        if kv_codes is None:
             return None
         decode = plan.decode
         scratch = self._scratch(tokens)
@@ -115,7 +119,8 @@ class FusedDecode:
             tokens, hidden.data_ptr(), scratch["mlp_out"].data_ptr(), step.rope.data_ptr(),
             step.slot_mapping.data_ptr(), kv_cache.data_ptr(), kv_cache.shape[2] * kv_cache.shape[3],
             decode.tables.data_ptr(), decode.lens.data_ptr(), decode.tables.shape[1],
-            *(scratch[name].data_ptr() for name in _SCRATCH))
+            *(scratch[name].data_ptr() for name in _SCRATCH),
+            _address(step.kv_scales), kv_codes)
         status = cpu_backend.decode_layers_bf16(
             ctypes.addressof(self.layers), len(self.layers), ctypes.byref(shape),
             ctypes.byref(buffers), torch.get_num_threads())
@@ -132,3 +137,20 @@ class FusedDecode:
             views[name] = flat[offset:offset + rows * width].view(rows, width)
             offset += rows * width
         return views
+
+
+def _pool_codes(kv_cache: torch.Tensor, step: StepMetadata) -> int | None:
+    """0 for a bf16 pool, the C number of an 8-bit one, None where the step cannot run fused.
+    An 8-bit store re-quantizes a token's whole block, so two rows of one step must never share
+    a block (true of decode steps, which copy a shared last block before writing: checked)."""
+    scales = step.kv_scales
+    if scales is None:
+        return 0 if kv_cache.dtype == torch.bfloat16 else None
+    codes = cpu_backend.kv_code(kv_cache.dtype)
+    if codes is None or scales.dtype != torch.float32 or not scales.is_contiguous():
+        return None
+    slots = step.slot_mapping
+    blocks = slots // kv_cache.shape[3]
+    if bool((slots < 0).any()) or torch.unique(blocks).numel() != blocks.numel():
+        return None
+    return codes

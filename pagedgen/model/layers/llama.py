@@ -85,8 +85,8 @@ class LlamaDecoder(nn.Module):
         """
         hidden = F.embedding(input_ids, self.embed_weight)
         pending = None
-        # Pure decode steps on CPU: all layers in one call (bf16 pools only, it checks).
-        if self.fused_decode is not None and step.kv_scales is None:
+        # Pure decode steps on CPU: all layers in one call (it checks what it covers).
+        if self.fused_decode is not None:
             pending = self.fused_decode.run(self.config, hidden, step, kv_cache)
         if pending is None:
             scales = step.kv_scales if step.kv_scales is not None else repeat(None)
