@@ -5,23 +5,10 @@ import torch.nn.functional as F
 
 from pagedgen.kernels import native
 from pagedgen.model.layers.linear import AMX_MAX_ROWS, linear, pack_weight
+from gemm_cases import gemm_case, reference_linear
 
 has_amx = native.load() is not None and bool(native.load().amx_available())
 needs_amx = pytest.mark.skipif(not has_amx, reason="no AMX on this CPU (or no C compiler)")
-
-
-def _reference(x, weight, bias=None):
-    """float32 sums of the same bf16 inputs, rounded once to bf16: what the kernel promises."""
-    out = x.float() @ weight.float().T
-    return (out if bias is None else out + bias.float()).to(torch.bfloat16)
-
-
-def _case(rows, out_features, in_features, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-    weight = torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
-    weight = weight.to(torch.bfloat16)
-    return x, weight
 
 
 @needs_amx
@@ -30,37 +17,37 @@ def _case(rows, out_features, in_features, seed=0):
 def test_amx_linear_matches_float32_sums(rows, out_features, in_features):
     # 96 outputs: pairs of 16-column blocks; 48: an odd count of blocks (the single-block loop,
     # which takes at most 64 rows); K = 160: an odd number of 32-wide input blocks.
-    x, weight = _case(rows, out_features, in_features)
+    x, weight, _ = gemm_case(rows, out_features, in_features)
     packed = native.amx_pack(weight)
     got = native.amx_linear(x, packed, out_features)
     if out_features == 48 and rows > 64:
         assert got is None  # declined, nothing computed: the caller uses F.linear
         return
-    expected = _reference(x, weight)
+    expected = reference_linear(x, weight)
     # Same products, another summation order: at most one bf16 rounding step apart.
     torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
 
 
 @needs_amx
 def test_amx_linear_adds_bias_and_reads_strided_rows():
-    x, weight = _case(20, 64, 96)
+    x, weight, _ = gemm_case(20, 64, 96)
     bias = torch.randn(64).to(torch.bfloat16)
     wide = torch.randn(20, 96 + 32).to(torch.bfloat16)
     wide[:, :96] = x
     strided = wide[:, :96]
     assert not strided.is_contiguous()
     got = native.amx_linear(strided, native.amx_pack(weight), 64, bias)
-    expected = _reference(x, weight, bias)
+    expected = reference_linear(x, weight, bias)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
 
 
 @needs_amx
 def test_linear_dispatch_amx_for_small_batches_f_linear_above():
-    x, weight = _case(AMX_MAX_ROWS + 1, 64, 64)
+    x, weight, _ = gemm_case(AMX_MAX_ROWS + 1, 64, 64)
     packed = pack_weight(weight)
     assert packed.kind == "amx"
     small = linear(x[:5], weight, packed=packed)
-    expected = _reference(x[:5], weight)
+    expected = reference_linear(x[:5], weight)
     torch.testing.assert_close(small.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
     assert torch.equal(linear(x, weight, packed=packed), F.linear(x, weight))
 
@@ -78,7 +65,7 @@ def test_unpackable_weights_use_f_linear():
 @pytest.mark.parametrize("rows,out_features", [(5, 96), (64, 96), (40, 48)])
 def test_amx_linear_float32_output_is_the_bf16_result_widened(rows, out_features):
     # The LM head asks for float32 logits: exactly .float() of the bf16 result, one pass.
-    x, weight = _case(rows, out_features, 64, seed=3)
+    x, weight, _ = gemm_case(rows, out_features, 64, seed=3)
     bias = torch.randn(out_features).to(torch.bfloat16)
     packed = native.amx_pack(weight)
     as_bf16 = native.amx_linear(x, packed, out_features, bias)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from pagedgen.kernels import native
 from pagedgen.model.layers.linear import MAX_ROWS, linear, linear_float32, pack_weight
+from gemm_cases import gemm_case, reference_linear
 
 has_avx512_bf16 = native.load() is not None and bool(native.load().avx512_bf16_available())
 needs_avx512_bf16 = pytest.mark.skipif(not has_avx512_bf16,
@@ -14,20 +15,6 @@ needs_avx512_bf16 = pytest.mark.skipif(not has_avx512_bf16,
 # SmolLM2-135M's projections (qkv, o, gate_up, down) and shapes with 1, 3 (one whole column
 # group) and 5 (a group and a partial one) 16-column blocks.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (16, 32), (48, 96), (80, 160)]
-
-
-def _reference(x, weight, bias=None):
-    """float32 sums of the same bf16 inputs, rounded once to bf16: what the kernel promises."""
-    out = x.float() @ weight.float().T
-    return (out if bias is None else out + bias.float()).to(torch.bfloat16)
-
-
-def _case(rows, out_features, in_features, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-    weight = torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
-    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
-    return x, weight.to(torch.bfloat16), bias
 
 
 def _assert_one_rounding_apart(got, expected):
@@ -40,28 +27,28 @@ def _assert_one_rounding_apart(got, expected):
 @pytest.mark.parametrize("out_features,in_features", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_avx512_linear_matches_float32_sums(rows, out_features, in_features, with_bias):
-    x, weight, bias = _case(rows, out_features, in_features)
+    x, weight, bias = gemm_case(rows, out_features, in_features)
     bias = bias if with_bias else None
     got = native.avx512_linear(x, native.gemm_pack(weight), out_features, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-    _assert_one_rounding_apart(got, _reference(x, weight, bias))
+    _assert_one_rounding_apart(got, reference_linear(x, weight, bias))
 
 
 @needs_avx512_bf16
 @pytest.mark.parametrize("rows", [1, 17])
 def test_lm_head_float32_output_is_the_bf16_result_widened(rows):
     # The LM head's shape (49152 x 576); the sampler wants float32 logits in one pass.
-    x, weight, _ = _case(rows, 49152, 576, seed=1)
+    x, weight, _ = gemm_case(rows, 49152, 576, seed=1)
     packed = native.gemm_pack(weight)
     as_f32 = native.avx512_linear(x, packed, 49152, out_dtype=torch.float32)
     assert as_f32.dtype == torch.float32
     assert torch.equal(as_f32, native.avx512_linear(x, packed, 49152).float())
-    _assert_one_rounding_apart(as_f32, _reference(x, weight))
+    _assert_one_rounding_apart(as_f32, reference_linear(x, weight))
 
 
 @needs_avx512_bf16
 def test_float32_output_with_bias():
-    x, weight, bias = _case(9, 80, 64, seed=3)
+    x, weight, bias = gemm_case(9, 80, 64, seed=3)
     packed = native.gemm_pack(weight)
     as_f32 = native.avx512_linear(x, packed, 80, bias, out_dtype=torch.float32)
     assert torch.equal(as_f32, native.avx512_linear(x, packed, 80, bias).float())
@@ -69,20 +56,20 @@ def test_float32_output_with_bias():
 
 @needs_avx512_bf16
 def test_reads_strided_rows():
-    x, weight, bias = _case(20, 64, 96)
+    x, weight, bias = gemm_case(20, 64, 96)
     wide = torch.zeros(20, 96 + 32, dtype=torch.bfloat16)
     wide[:, :96] = x
     strided = wide[:, :96]
     assert not strided.is_contiguous()
     got = native.avx512_linear(strided, native.gemm_pack(weight), 64, bias)
     assert torch.equal(got, native.avx512_linear(x, native.gemm_pack(weight), 64, bias))
-    _assert_one_rounding_apart(got, _reference(x, weight, bias))
+    _assert_one_rounding_apart(got, reference_linear(x, weight, bias))
 
 
 @needs_avx512_bf16
 def test_a_row_gets_the_same_bits_in_any_batch():
     # Each row's sums run in the same order whatever M is (batch-invariant by construction).
-    x, weight, bias = _case(37, 96, 128, seed=5)
+    x, weight, bias = gemm_case(37, 96, 128, seed=5)
     packed = native.gemm_pack(weight)
     batch = native.avx512_linear(x, packed, 96, bias)
     for row in (0, 8, 23, 36):
@@ -94,7 +81,7 @@ def test_a_row_gets_the_same_bits_in_any_batch():
 @pytest.mark.parametrize("out_features", [48, 80, 960])
 def test_threads_split_columns_and_rows_without_changing_a_bit(out_features):
     # 48 / 80 outputs: fewer column groups than threads, so the rows are split too.
-    x, weight, bias = _case(37, out_features, 64, seed=7)
+    x, weight, bias = gemm_case(37, out_features, 64, seed=7)
     packed = native.gemm_pack(weight)
     saved = torch.get_num_threads()
     try:
@@ -105,14 +92,14 @@ def test_threads_split_columns_and_rows_without_changing_a_bit(out_features):
     finally:
         torch.set_num_threads(saved)
     assert all(torch.equal(results[0], other) for other in results[1:])
-    _assert_one_rounding_apart(results[0], _reference(x, weight, bias))
+    _assert_one_rounding_apart(results[0], reference_linear(x, weight, bias))
 
 
 @needs_avx512_bf16
 def test_unsupported_shapes_are_refused_and_the_layers_fall_back():
     assert native.gemm_pack(torch.randn(40, 64).to(torch.bfloat16)) is None  # 40 % 16
     assert native.gemm_pack(torch.randn(32, 48).to(torch.bfloat16)) is None  # 48 % 32
-    x, weight, bias = _case(5, 64, 64)
+    x, weight, bias = gemm_case(5, 64, 64)
     packed = native.gemm_pack(weight)
     assert native.avx512_linear(x[:, :32], packed, 64) is None  # K does not match the packing
     assert native.avx512_linear(x.float(), packed, 64) is None  # not bf16
@@ -124,7 +111,7 @@ def test_unsupported_shapes_are_refused_and_the_layers_fall_back():
     assert not out.any()
     odd = torch.randn(40, 64).to(torch.bfloat16)  # the model layer keeps oneDNN (or F.linear)
     assert getattr(pack_weight(odd), "kind", None) != "avx512"
-    _assert_one_rounding_apart(linear(x, odd, packed=pack_weight(odd)), _reference(x, odd))
+    _assert_one_rounding_apart(linear(x, odd, packed=pack_weight(odd)), reference_linear(x, odd))
 
 
 @needs_avx512_bf16
@@ -132,7 +119,7 @@ def test_linear_dispatch_kernel_up_to_the_crossover_f_linear_above(monkeypatch):
     if native.gemm_kind() != "avx512":
         pytest.skip("this CPU has AMX: the AMX kernel takes the packed weights")
     limit = MAX_ROWS["avx512"]
-    x, weight, bias = _case(limit + 1, 64, 64)
+    x, weight, bias = gemm_case(limit + 1, 64, 64)
     packed = pack_weight(weight)
     assert packed.kind == "avx512"
     small = linear(x[:limit], weight, bias, packed=packed)
