@@ -33,8 +33,9 @@ __all__ = ["AttentionPlan", "add_rms_norm", "amx_linear", "avx512_linear", "copy
 
 
 def decode_layers_bf16(layers: int, num_layers: int, shape: object, buffers: object, threads: int) -> int:
-    """All decoder layers of a pure bf16 decode step (bf16 or 8-bit pool) in one native call (kernels/cpu_decode_step.c,
-    structs mirrored in pagedgen/model/layers/fused_decode.py): 0 done, 1 not covered, 2 no memory."""
+    """All decoder layers of a pure bf16 decode step (bf16 or 8-bit pool) in one native call
+    (kernels/cpu_decode_step.c, structs mirrored in pagedgen/model/layers/fused_decode.py):
+    0 done, 1 not covered, 2 no memory."""
     return native.load().decode_layers_bf16(layers, num_layers, shape, buffers, threads)
 
 

@@ -393,14 +393,6 @@ def gemm_pack(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """gemm_pack where the CPU has AMX (cpu_gemm_amx.c), else None."""
-    library = load()
-    if library is None or not library.amx_available():
-        return None
-    return gemm_pack(weight)
-
-
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:

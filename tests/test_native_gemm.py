@@ -18,7 +18,7 @@ def test_amx_linear_matches_float32_sums(rows, out_features, in_features):
     # 96 outputs: pairs of 16-column blocks; 48: an odd count of blocks (the single-block loop,
     # which takes at most 64 rows); K = 160: an odd number of 32-wide input blocks.
     x, weight, _ = gemm_case(rows, out_features, in_features)
-    packed = native.amx_pack(weight)
+    packed = native.gemm_pack(weight)
     got = native.amx_linear(x, packed, out_features)
     if out_features == 48 and rows > 64:
         assert got is None  # declined, nothing computed: the caller uses F.linear
@@ -36,7 +36,7 @@ def test_amx_linear_adds_bias_and_reads_strided_rows():
     wide[:, :96] = x
     strided = wide[:, :96]
     assert not strided.is_contiguous()
-    got = native.amx_linear(strided, native.amx_pack(weight), 64, bias)
+    got = native.amx_linear(strided, native.gemm_pack(weight), 64, bias)
     expected = reference_linear(x, weight, bias)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
 
@@ -58,7 +58,7 @@ def test_unpackable_weights_use_f_linear():
     x = torch.randn(3, 8)
     assert torch.equal(linear(x, weight), F.linear(x, weight))
     if native.load() is not None:
-        assert native.amx_pack(torch.randn(10, 64).to(torch.bfloat16)) is None  # 10 % 16 != 0
+        assert native.gemm_pack(torch.randn(10, 64).to(torch.bfloat16)) is None  # 10 % 16 != 0
 
 
 @needs_amx
@@ -67,7 +67,7 @@ def test_amx_linear_float32_output_is_the_bf16_result_widened(rows, out_features
     # The LM head asks for float32 logits: exactly .float() of the bf16 result, one pass.
     x, weight, _ = gemm_case(rows, out_features, 64, seed=3)
     bias = torch.randn(out_features).to(torch.bfloat16)
-    packed = native.amx_pack(weight)
+    packed = native.gemm_pack(weight)
     as_bf16 = native.amx_linear(x, packed, out_features, bias)
     as_f32 = native.amx_linear(x, packed, out_features, bias, out_dtype=torch.float32)
     assert as_f32.dtype == torch.float32
