@@ -8,7 +8,7 @@ import torch
 
 from pagedgen.kernels import cpu_backend, native, reference
 from paged_batch import make_paged_batch
-from test_kv_quant import FORMATS, dequantized, quantize_pool
+from test_kv_quant import FORMAT_ATOL, FORMATS, dequantized, quantize_pool
 from test_native_prefill_avx512 import (_head_dim_64_model, assert_agree_up_to_near_ties,
                                         needs_avx512_bf16, shared_prefix_prompts)
 
@@ -54,6 +54,25 @@ def test_q8_prefill_matches_the_dequantized_reference(fmt_name, q_len, context_l
     expected = _expected(query, pool, blocks, context_len, scale)
     torch.testing.assert_close(out.float(), expected, atol=TOL * float(expected.abs().max()),
                                rtol=TOL)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_q8_prefill_is_the_format_s_error_away_from_the_unquantized_pool(fmt_name):
+    # The same K/V unquantized (float32): what a user gives up by choosing the format, plus the
+    # bf16 rounding of P and of the output (0.02 at outputs of this size).
+    gen = torch.Generator().manual_seed(7)
+    k, v = torch.randn(2, 6, 16, 3, 64, generator=gen).unbind(0)
+    pool = quantize_pool(k, v, fmt_name)
+    query = torch.randn(40, 9, 64, generator=gen).bfloat16()
+    blocks = torch.arange(6)
+    out = torch.empty(40, 9, 64, dtype=torch.bfloat16)
+    assert native.prefill_attention_q8(query, *pool, blocks, 90, 0.125, out)
+    exact = reference.paged_attention(
+        query.float(), k, v, blocks[None].int(), torch.tensor([90], dtype=torch.int32),
+        torch.tensor([0, 40], dtype=torch.int32), 0.125)
+    torch.testing.assert_close(out.float(), exact, atol=FORMAT_ATOL[fmt_name] + 0.02, rtol=0)
+    assert float((out.float() - exact).abs().mean()) > 0  # lossy: the codes are not the values
 
 
 @needs_avx512_bf16
