@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from pagedgen.kernels import cpu_backend, native
+from pagedgen.kernels.cpu import backend as cpu_backend
+
+from pagedgen.kernels.cpu import native
 from pagedgen.kernels.kv_quant import kv_format, quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -154,7 +156,7 @@ def bench_case(name: str, batch: PagedBatch, iters: int, device: str) -> None:
     torch_ms = time_ms(lambda: cpu_backend.paged_attention(*args, scale, plan=plan), iters, device)
     print(f"{name:28s} cpu_backend {torch_ms:8.3f} ms/call   plan {plan_ms:6.3f} ms/step")
     if device == "cuda":
-        from pagedgen.kernels import triton_ops
+        from pagedgen.kernels.triton import ops as triton_ops
         triton_plan = triton_ops.plan_attention(*args[3:], BLOCK_SIZE)
         triton_ms = time_ms(lambda: triton_ops.paged_attention(*args, scale, plan=triton_plan),
                             iters, device)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagedgen.kernels import native
+from pagedgen.kernels.cpu import native
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers.cpu_info import cpu_info  # noqa: E402

@@ -176,13 +176,15 @@ def fill_random(runner) -> None:
 def speed(args) -> dict:
     from pagedgen.model.loading.loader import load_model
     from pagedgen.model.runtime.runner import ModelRunner
+    from pagedgen.settings import EngineConfig
 
     loaded = load_model(None, dtype="bfloat16", device="cpu")
     per_seq = -(-(args.context + 1) // 16)
     decode = decode_batch(args.batch, args.context, 16)
     results = {}
     for name in KV_CACHE_DTYPES:
-        runner = ModelRunner(loaded, 16, num_blocks=args.batch * per_seq, kv_cache_dtype=name)
+        runner = ModelRunner(loaded, EngineConfig(block_size=16, num_blocks=args.batch * per_seq,
+                                                  kv_cache_dtype=name))
         fill_random(runner)
         timing = median_timing(lambda: runner.execute(decode, []), args.repeats)
         results[name] = {"decode_step_ms": timing.wall_s * 1e3, "cpu_ms": timing.cpu_s * 1e3,
@@ -210,7 +212,7 @@ def long_workload(args):
 
 def long_prompts(args) -> dict:
     from pagedgen import LLM, SamplingParams
-    from pagedgen.kernels import native
+    from pagedgen.kernels.cpu import native
 
     model, workload = long_workload(args)
     print(f"long: {workload.description}", flush=True)

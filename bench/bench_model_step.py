@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from pagedgen.model.loading.loader import load_model
 from pagedgen.model.runtime.runner import ModelRunner, ScheduledChunk
+from pagedgen.settings import EngineConfig
 
 
 @dataclass(slots=True)
@@ -121,7 +122,7 @@ def run_steps(args) -> None:
     loaded = load_model(None, dtype=args.dtype, device="cpu")
     per_seq = -(-(args.context + 1) // args.block_size)
     num_blocks = max(args.batch * per_seq, -(-args.prefill // args.block_size))
-    runner = ModelRunner(loaded, args.block_size, num_blocks=num_blocks)
+    runner = ModelRunner(loaded, EngineConfig(block_size=args.block_size, num_blocks=num_blocks))
     runner.kv_cache.normal_()
     print(f"model {loaded.name}  dtype {args.dtype}  threads {torch.get_num_threads()}  "
           f"block_size {args.block_size}  repeats {args.repeats} (median)  "

@@ -25,10 +25,11 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from make_bench_model import DEFAULT_GGUF_DIR, convert_default_model, make_bench_model  # noqa: E402
+from make_bench_model import resolve_model  # noqa: E402
 from peers.agreement import agreement  # noqa: E402
 from peers.common import Workload, save_workload  # noqa: E402
-from peers.floor import ModelShape, measure_copy_bandwidth, measure_gemm_rate, workload_flops  # noqa: E402
+from peers.floor import (ModelShape, measure_copy_bandwidth, measure_gemm_rate,  # noqa: E402
+                         kv_read_bytes, weight_bytes, workload_flops)
 from peers.install_vllm import DEFAULT_VENV, install, is_installed, venv_python  # noqa: E402
 from peers.launch import launch  # noqa: E402
 from peers.cpu_info import CpuInfo, cpu_info  # noqa: E402
@@ -58,8 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="share of each suite workload's requests (same shapes; own budgets shrink too)")
     p.add_argument("--json", type=Path, default=None, help="also save the results here")
     p.add_argument("--model", default="bench",
-                   help="'bench' (random SmolLM2-135M-shaped, made once), 'default' (the SmolLM2 "
-                        "GGUF, dequantized to bf16 once), or a model folder")
+                   help="'bench' (random SmolLM2-135M-shaped, made once), 'llama-1b' (random "
+                        "Llama-3.2-1B-shaped, made once, 2.5 GB), 'default' (the SmolLM2 GGUF, "
+                        "dequantized to bf16 once), 'gemma-270m' (Gemma 3 270M Q4_K_M from its "
+                        "pip package, dequantized to bf16 once), or a model folder")
     p.add_argument("--prompts", type=Path, default=None,
                    help="JSONL of real prompts (prompt / messages / prompt_token_ids, optional "
                         "max_tokens); default with --model default: samples/prompts.jsonl if present")
@@ -104,17 +107,6 @@ def validate(args: argparse.Namespace) -> None:
             suite_specs(args.suite, args.quick, args.seed)
         except ValueError as error:
             raise SystemExit(str(error)) from None
-
-
-def resolve_model(choice: str) -> Path:
-    if choice == "bench":
-        return make_bench_model()
-    if choice == "default":
-        return convert_default_model(DEFAULT_GGUF_DIR)
-    path = Path(choice)
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"--model {choice}: not 'bench', 'default' or a folder with config.json")
-    return path
 
 
 def build_workloads(args: argparse.Namespace, model_dir: Path) -> list[Workload]:
@@ -187,12 +179,28 @@ def run_engine(engine: str, python: Path | None, args: argparse.Namespace, model
 
 @dataclass(slots=True)
 class Floor:
+    """Both bounds of peers/floor.py; `seconds` is the larger, the one engines are held to."""
+
     flops: float
     gemm_flop_s: float
+    bytes: float = 0.0
+    bytes_s: float = float("inf")
+
+    @property
+    def compute_seconds(self) -> float:
+        return self.flops / self.gemm_flop_s
+
+    @property
+    def memory_seconds(self) -> float:
+        return self.bytes / self.bytes_s
 
     @property
     def seconds(self) -> float:
-        return self.flops / self.gemm_flop_s
+        return max(self.compute_seconds, self.memory_seconds)
+
+    @property
+    def bound(self) -> str:
+        return "memory" if self.memory_seconds > self.compute_seconds else "compute"
 
 
 def add_derived(runs: list[EngineRun], floor: Floor, work_dir: Path, greedy: bool = True) -> None:
@@ -219,7 +227,8 @@ def header_lines(args, model_dir: Path, cpu: CpuInfo, gemm_flop_s: float,
         f"(unless the workload sets its own), kv_cache_dtype {args.kv_cache_dtype}, ignore_eos",
         f"model {model_dir}",
         f"measured {args.dtype} GEMM {gemm_flop_s / 1e9:.0f} GFLOP/s (threads={args.threads}): "
-        f"the compute floor's rate; memory copy_ {copy_bytes_s / 1e9:.1f} GB/s (read + write)",
+        f"the compute bound's rate; memory copy_ {copy_bytes_s / 1e9:.1f} GB/s (read + write): "
+        "the memory bound's rate",
         "throughputs are over the generate call; start-up = spawn -> engine ready; wall = spawn -> exit",
     ]
 
@@ -229,7 +238,10 @@ def workload_lines(workload: Workload, floor: Floor, budget_gib: float) -> list[
         "",
         f"[{workload.name}] {workload.description}; {workload.prompt_tokens} prompt + "
         f"{workload.generated_tokens} generated tokens; KV budget {budget_gib * 1024:g} MiB",
-        f"floor: {floor.flops / 1e12:.3f} TFLOP / {floor.gemm_flop_s / 1e9:.0f} GFLOP/s = {floor.seconds:.2f} s",
+        f"floor: compute {floor.flops / 1e12:.3f} TFLOP / {floor.gemm_flop_s / 1e9:.0f} GFLOP/s = "
+        f"{floor.compute_seconds:.2f} s; memory {floor.bytes / 1e9:.2f} GB / "
+        f"{floor.bytes_s / 1e9:.1f} GB/s = {floor.memory_seconds:.2f} s; {floor.bound}-bound, "
+        "x floor is over the larger",
     ]
 
 
@@ -240,12 +252,21 @@ def kernel_path_lines(suite: list[tuple[Workload, list[EngineRun]]]) -> list[str
     return [f"pagedgen kernel paths: {'; '.join(p)}" for p in sorted(paths) if p]
 
 
+def workload_floor(args, workload: Workload, shape: ModelShape, rates: tuple[float, float]) -> Floor:
+    """Weights at the run's dtype, K/V at the pool's element size (8-bit pools: 1 byte; their
+    per-block scales are negligible)."""
+    dtype_bytes = 2.0 if args.dtype == "bfloat16" else 4.0
+    kv_bytes = 1.0 if args.kv_cache_dtype != "auto" else dtype_bytes
+    read = weight_bytes(shape, workload, dtype_bytes) + kv_read_bytes(shape, workload, kv_bytes)
+    return Floor(workload_flops(shape, workload), rates[0], read, rates[1])
+
+
 def run_workload(args, workload: Workload, model_dir: Path, pythons: dict, shape: ModelShape,
-                 gemm_flop_s: float, work_dir: Path) -> tuple[list[EngineRun], Floor, list[str]]:
+                 rates: tuple[float, float], work_dir: Path) -> tuple[list[EngineRun], Floor, list[str]]:
     work_dir.mkdir(parents=True, exist_ok=True)
     workload_path = work_dir / "workload.json"
     save_workload(workload, workload_path)
-    floor = Floor(workload_flops(shape, workload), gemm_flop_s)
+    floor = workload_floor(args, workload, shape, rates)
     runs = [run_engine(e, pythons[e], args, model_dir, workload, workload_path, work_dir)
             for e in args.engines]
     add_derived(runs, floor, work_dir, workload.greedy)
@@ -258,7 +279,9 @@ def workload_json(args, workload: Workload, floor: Floor, lines: list[str], runs
     meta = {"workload_name": workload.name, "header": lines, "workload": workload.description,
             "kv_gib": kv_gib(args, workload), "n": workload.n, "temperature": workload.temperature,
             "prompt_tokens": workload.prompt_tokens, "generated_tokens": workload.generated_tokens,
-            "floor_flops": floor.flops, "gemm_flop_s": floor.gemm_flop_s, "floor_s": floor.seconds}
+            "floor_flops": floor.flops, "gemm_flop_s": floor.gemm_flop_s, "floor_bytes": floor.bytes,
+            "bandwidth_bytes_s": floor.bytes_s, "floor_compute_s": floor.compute_seconds,
+            "floor_memory_s": floor.memory_seconds, "floor_s": floor.seconds, "floor_bound": floor.bound}
     return to_json(meta, runs)
 
 
@@ -282,7 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     suite, results = [], []
     for workload in workloads:
         sub_dir = work_dir / workload.name if args.suite is not None else work_dir
-        runs, floor, lines = run_workload(args, workload, model_dir, pythons, shape, gemm_flop_s, sub_dir)
+        runs, floor, lines = run_workload(args, workload, model_dir, pythons, shape,
+                                          (gemm_flop_s, copy_bytes_s), sub_dir)
         suite.append((workload, runs))
         results.append(workload_json(args, workload, floor, lines, runs))
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pagedgen.kernels import native
+from pagedgen.kernels.cpu import native
 from pagedgen.kernels.kv_quant import kv_format, quantize
 
 FORMATS = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")

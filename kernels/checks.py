@@ -57,10 +57,23 @@ def check_plan_fits(block_size: int, num_tokens: int, query: Tensor,
                          f"(the plan's) is {num_tokens}")
 
 
+def check_window(sliding_window: int) -> None:
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) \
+            or sliding_window < 0:
+        raise ValueError(f"sliding_window must be an int >= 0 (0: full attention), "
+                         f"got {sliding_window!r}")
+
+
+def check_plan_window(planned: int, asked: int) -> None:
+    if planned != asked:
+        raise ValueError(f"plan was built for sliding_window {planned}, "
+                         f"paged_attention was given {asked}")
+
+
 def check_metadata(block_tables: Tensor, seq_lens: Tensor, query_start_loc: Tensor,
                    block_size: int) -> None:
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    """Shapes only: block_size itself is a checked setting (pagedgen/settings), and
+    check_plan_fits holds the plan to the pool's real block size."""
     if block_tables.dim() != 2:
         raise ValueError(f"block_tables must be [S, max_blocks], "
                          f"got shape {tuple(block_tables.shape)}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native
+from .cpu import native
 
 __all__ = ["KV_CACHE_DTYPES", "KVFormat", "copy_block_scales", "dequantize", "error_bound",
            "format_of", "gather_dequantized", "kv_format", "quantize", "store_kv_quantized"]

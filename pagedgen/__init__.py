@@ -17,6 +17,7 @@ _LAZY = {
     "StructuredOutputsParams": "pagedgen.engine.structured_params",
     "RequestOutput": "pagedgen.engine.outputs",
     "CompletionOutput": "pagedgen.engine.outputs",
+    "RequestFailedError": "pagedgen.engine.outputs",
     "BeamSearchParams": "pagedgen.engine.beam_search",
     "BeamSearchOutput": "pagedgen.engine.outputs",
     "TreeNode": "pagedgen.tree",

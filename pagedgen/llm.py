@@ -13,68 +13,78 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+import threading
+
 import torch
 
 from pagedgen.engine.beam_search import BeamSearchParams
 from pagedgen.engine.builder import build_engine
-from pagedgen.engine.engine_config import EngineConfig
 from pagedgen.engine.outputs import BeamSearchOutput, RequestOutput, Usage
 from pagedgen.engine.sampling_params import SamplingParams
 from pagedgen.memory.report import build_report
 from pagedgen.memory.tracker import MemoryTracker
 from pagedgen.model.device import resolve_device
 from pagedgen.model.loading.loader import load_model
-from pagedgen.model.runtime.kv_cache import kv_format
-from pagedgen.progress import GenerationProgress
-from pagedgen.prompts import (Conversation, EncodedPrompt, Prompt, encode_chat, encode_isolated,
-                              normalize_prompts, normalize_sampling_params)
+from pagedgen.progress import GenerationProgress, RunTotals, loading_status, work_left
+from pagedgen.prompts import (Conversation, EncodedPrompt, Prompt, encode_conversations,
+                              normalize_conversations, normalize_prompts, normalize_sampling_params)
 from pagedgen.tree import TreeNode, TreeRollouts
-from pagedgen.validation import require_int
+from pagedgen.settings import EngineConfig
 
 
 class LLM:
-    """Engine options (all keyword): dtype ("auto"/None: the loader's choice), device
-    ("auto"/None: CUDA when available, else CPU), block_size, num_blocks (or num_gpu_blocks,
-    vLLM's name) or kv_memory (bytes for the pool; neither: 1 GiB on CPU, a share of free
-    memory on CUDA), max_num_seqs, max_num_batched_tokens, max_model_len (default: the model's
-    max_position_embeddings capped by the pool's capacity), enable_prefix_caching, seed (for
-    unseeded requests), threads (torch.set_num_threads; None leaves torch's choice), tokenizer
-    (a folder whose tokenizer replaces the model's own; for a GGUF file it must have the file's
-    vocabulary), kv_cache_dtype ("auto": the model's dtype; "int8", "fp8_e4m3", "fp8_e5m2":
-    8-bit codes with per-block scales, about half the bytes per token of bf16), batch_invariant
-    (each request's output bitwise independent of what shares its batches, of prompt chunking
-    and preemption: README "Same answer whatever the batch")."""
+    """LLM(model, **settings): model is an HF folder, a .gguf file or None (the built-in
+    default); every other setting is a keyword of the settings table (pagedgen/settings/table.py
+    holds each one's default, bounds and help; `pagedgen run --help` shows them): dtype, device,
+    weights, threads, tokenizer, block_size, num_blocks (or num_gpu_blocks, vLLM's name) or
+    kv_memory, kv_cache_dtype, max_num_seqs, max_num_batched_tokens, max_model_len,
+    enable_prefix_caching, seed, batch_invariant. An unknown name is a TypeError that suggests
+    the closest one; a bad value is a ValueError naming the setting, both before the model loads.
+    show_progress=False silences the line printed while the model loads.
 
-    def __init__(self, model: str | None = None, *, dtype: str | torch.dtype | None = None,
-                 device: str | None = None, block_size: int = 16, num_blocks: int | None = None,
-                 num_gpu_blocks: int | None = None, kv_memory: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 seed: int = 0, threads: int | None = None, tokenizer: str | None = None,
-                 kv_cache_dtype: str = "auto", batch_invariant: bool = False) -> None:
-        _set_threads(threads)
-        # Checked before the (slow) model load, so that a typo fails at once.
-        config = EngineConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
-                              enable_prefix_caching, seed, block_size,
-                              _one_block_count(num_blocks, num_gpu_blocks), kv_memory,
-                              kv_cache_dtype, batch_invariant)
-        kv_format(kv_cache_dtype)  # a bad name fails before the (slow) model load
-        self.loaded = load_model(model, None if dtype == "auto" else dtype, resolve_device(device),
-                                 tokenizer)
+    Thread-safe by serializing: calls from several threads on one LLM run one after the other
+    (a lock around each generate / chat / beam_search / tree call), so each gets exactly its
+    own outputs; for parallel throughput put all prompts in one call (they share batches)."""
+
+    def __init__(self, model: str | None = None, *, show_progress: bool = True,
+                 **settings: Any) -> None:
+        config = EngineConfig.of(model=model, **settings)
+        _set_threads(config.threads)
+        run_device = resolve_device(config.device)
+        with loading_status(_model_description(config.model), str(run_device), show_progress):
+            self.loaded = load_model(config.model, None if config.dtype == "auto" else config.dtype,
+                                     run_device, config.tokenizer, weights=config.weights)
         self.engine = build_engine(self.loaded, config)  # engine.config: max_model_len resolved
         self.runner = self.engine.runner
         self.max_model_len = self.engine.config.max_model_len
-        self.tracker = self._build_tracker(block_size)
+        self.tracker = self._build_tracker(config.block_size)
         self.engine.attach_tracker(self.tracker)
         self._request_counter = 0
         self._tree = TreeRollouts(self)
+        # One engine, one caller at a time: generate / chat / beam_search / tree calls from
+        # several threads are served one after the other (each call runs whole), never mixed
+        # in one engine loop, where a thread would collect (and lose) another's outputs.
+        self._calls = threading.RLock()
+        self.last_run: RunTotals | None = None   # the last generate(): wall, tok/s, KV peak
 
     def _build_tracker(self, block_size: int) -> MemoryTracker:
         cfg, dtype = self.loaded.config, self.runner.dtype
         return MemoryTracker(block_size, self.runner.num_blocks, self.runner.kv_bytes_per_token,
                              str(dtype).removeprefix("torch."), self.max_model_len,
-                             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                             head_dim=cfg.head_dim, kv_cache_dtype=self.runner.kv_cache_dtype)
+                             num_layers=self.runner.kv_layout.group_size,
+                             num_kv_heads=cfg.num_kv_heads,
+                             head_dim=cfg.head_dim, kv_cache_dtype=self.runner.kv_cache_dtype,
+                             **self._group_fields())
+
+    def _group_fields(self) -> dict[str, Any]:
+        """A hybrid pool's groups for the tracker: pages of G layers, one row per group."""
+        layout = self.runner.kv_layout
+        if not layout.is_hybrid:
+            return {}
+        return {"group_windows": layout.group_windows,
+                "group_layers": tuple(len(layout.group_layers(g))
+                                      for g in range(layout.num_groups)),
+                "full_attention_bytes_per_token": self.runner.full_attention_bytes_per_token}
 
     def get_tokenizer(self) -> Any:
         return self.loaded.tokenizer
@@ -94,7 +104,13 @@ class LLM:
                   on_output: Callable[[RequestOutput], None] | None,
                   request_ids: list[str] | None) -> list[RequestOutput]:
         """Queues every prompt, then runs; a prompt that failed to encode is answered with its
-        error and the rest still run."""
+        error and the rest still run. Serialized: concurrent callers wait their turn."""
+        with self._calls:
+            return self._generate_locked(items, sampling_params, use_tqdm, on_output, request_ids)
+
+    def _generate_locked(self, items: list[EncodedPrompt], sampling_params: Any, use_tqdm: bool,
+                         on_output: Callable[[RequestOutput], None] | None,
+                         request_ids: list[str] | None) -> list[RequestOutput]:
         params = normalize_sampling_params(sampling_params, len(items))
         ids = self._request_ids(request_ids, len(items))
         failed = {}
@@ -119,10 +135,8 @@ class LLM:
              use_tqdm: bool = True, on_output: Callable[[RequestOutput], None] | None = None,
              request_ids: list[str] | None = None) -> list[RequestOutput]:
         """Applies the tokenizer's chat template (with the generation prompt) and generates."""
-        single = bool(conversations) and isinstance(conversations[0], dict)  # one conversation
-        batch = [conversations] if single else list(conversations)
         tokenizer = self.loaded.tokenizer
-        items = [encode_isolated(lambda c=conversation: encode_chat(tokenizer, c)) for conversation in batch]
+        items = encode_conversations(tokenizer, normalize_conversations(conversations))
         return self._generate(items, sampling_params, use_tqdm, on_output, request_ids)
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
@@ -142,7 +156,8 @@ class LLM:
             raise ValueError(f"tree_root takes one prompt, got {len(items)}")
         if items[0].error is not None:
             raise ValueError(items[0].error)
-        return self._tree.root(items[0].token_ids)
+        with self._calls:
+            return self._tree.root(items[0].token_ids)
 
     def extend(self, nodes: TreeNode | list[TreeNode], k: int = 1, max_tokens: int = 16,
                sampling_params: SamplingParams | None = None) -> list[list[TreeNode]]:
@@ -151,12 +166,14 @@ class LLM:
         Returns the children of each node, in order; every child holds its blocks until
         `release`."""
         nodes = [nodes] if isinstance(nodes, TreeNode) else list(nodes)
-        return self._tree.extend(nodes, k, max_tokens, sampling_params)
+        with self._calls:
+            return self._tree.extend(nodes, k, max_tokens, sampling_params)
 
     def release(self, nodes: TreeNode | list[TreeNode]) -> None:
         """Drops tree nodes: their block references go at once (shared blocks stay with the
         nodes that still hold them)."""
-        self._tree.release(nodes)
+        with self._calls:
+            self._tree.release(nodes)
 
     def _request_ids(self, given: list[str] | None, count: int) -> list[str]:
         if given is None:
@@ -174,36 +191,67 @@ class LLM:
              failed: dict[str, RequestOutput] | None = None) -> list[RequestOutput]:
         failed = failed or {}
         done = dict(failed)
+        engine = self.engine
+        progress = GenerationProgress(len(ids), self.runner.num_blocks, use_tqdm)
+        # Engine counters run over the LLM's life; the display counts this call only.
+        generated0 = engine.stats.generated_tokens
+        prompt0 = engine.scheduler.stats.prompt_tokens_computed
         try:
-            with GenerationProgress(len(ids), self.runner.num_blocks, use_tqdm) as progress:
+            with progress:
                 for output in failed.values():
                     if on_output is not None:
                         on_output(output)
-                if failed:
-                    progress.update(len(failed), self.engine.stats.generated_tokens, 0)
-                while self.engine.has_unfinished():
-                    finished = self.engine.step()
+                progress.finished(list(failed.values()))
+                while engine.has_unfinished():
+                    finished = engine.step()
                     for output in finished:
                         done[output.request_id] = output
                         if on_output is not None:
                             on_output(output)
-                    progress.update(len(finished), self.engine.stats.generated_tokens,
-                                    self.engine.kv.snapshot().blocks_used)
+                    progress.finished(finished)
+                    progress.step(engine.stats.generated_tokens - generated0,
+                                  engine.scheduler.stats.prompt_tokens_computed - prompt0,
+                                  engine.kv.snapshot().blocks_used,
+                                  lambda: work_left(engine, progress.stopped, progress.capped))
         except BaseException:
             # An error (or Ctrl-C) mid-run: drop what is left so the next call starts clean.
             self.engine.abort_all()
             raise
+        finally:
+            self.last_run = progress.totals
+            # Blocks computed so far reach the disk before the call returns (or a killed run
+            # exits), so a rerun or --resume finds them; the steps themselves never waited.
+            if self.engine.store is not None:
+                self.engine.store.flush()
         return [done[i] for i in ids]
 
     # --- reporting ---
     def memory_report(self) -> dict[str, Any]:
-        """The memory report (memory/report.py schema) over everything run so far."""
-        return build_report(self.tracker, self.engine.kv.counters)
+        """The memory report (memory/report.py schema) over everything run so far; with a prefix
+        store, its "prefix_store" section: hits, bytes read and written, prefill time saved."""
+        report = build_report(self.tracker, self.engine.kv.counters)
+        if self.last_run is not None:
+            report["last_run"] = self.last_run.as_dict()
+        if self.engine.store is not None:
+            report["prefix_store"] = asdict(self.engine.store.report())
+        return report
 
     @property
     def stats(self) -> dict[str, int]:
         """Engine and scheduler counters (steps, tokens, preemptions, recomputed tokens...)."""
         return {**asdict(self.engine.stats), **asdict(self.engine.scheduler.stats)}
+
+
+def _model_description(model: str | None) -> str:
+    """What the load line names: the file, its size and format (or the path as given)."""
+    from pagedgen.model.loading.source import locate_model
+    from pagedgen.progress import describe_model_file
+
+    try:
+        source = locate_model(model)
+    except (OSError, ValueError):  # the loader itself reports the problem, with its reason
+        return str(model)
+    return describe_model_file(source.path, source.kind)
 
 
 def _failed_output(request_id: str, item: EncodedPrompt) -> RequestOutput:
@@ -213,14 +261,5 @@ def _failed_output(request_id: str, item: EncodedPrompt) -> RequestOutput:
 
 
 def _set_threads(threads: int | None) -> None:
-    if threads is None:
-        return
-    require_int("threads", threads)
-    torch.set_num_threads(threads)
-
-
-def _one_block_count(num_blocks: int | None, num_gpu_blocks: int | None) -> int | None:
-    """num_gpu_blocks is vLLM's name for the same count."""
-    if num_blocks is not None and num_gpu_blocks is not None and num_blocks != num_gpu_blocks:
-        raise ValueError("give num_blocks or num_gpu_blocks, not two different values")
-    return num_blocks if num_blocks is not None else num_gpu_blocks
+    if threads is not None:  # None leaves torch's choice
+        torch.set_num_threads(threads)

@@ -3,13 +3,21 @@ import sys
 from pathlib import Path
 
 # Triton kernels run on CPU tensors through the interpreter; it must be set before any
-# kernel is decorated, i.e. before pagedgen.kernels.triton_ops is imported.
+# kernel is decorated, i.e. before pagedgen.kernels.triton.ops is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from hypothesis import settings as hypothesis_settings  # noqa: E402
+
+# The suite is a specification: every run draws the same Hypothesis examples, so a red run is
+# the code's doing and repeats. PAGEDGEN_FUZZ=1 draws new ones (their failures are saved in
+# .hypothesis/ and replayed first next time).
+hypothesis_settings.register_profile("spec", derandomize=True)
+hypothesis_settings.register_profile("fuzz", derandomize=False)
+hypothesis_settings.load_profile("fuzz" if os.environ.get("PAGEDGEN_FUZZ") else "spec")
 
 # Helpers are imported as `from tiny_models import ...` whatever pytest's import mode; one module
 # name matters: `tests.tiny_models` next to `tiny_models` loads it twice, with separate caches.

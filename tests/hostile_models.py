@@ -21,11 +21,8 @@ def copy_model_folder(destination: Path, arch: str = "llama") -> Path:
     return destination
 
 
-def tiny_gguf_with_tokenizer(path: Path, embed_tokenizer: bool = True) -> Path:
-    """A llama GGUF of the tiny model with the tiny tokenizer embedded (BPE, 'gpt2' model).
-    Q/K are not permuted: these files test loading, not numerics."""
-    config, tokenizer = hf_config("llama"), tiny_tokenizer()
-    writer = GGUFWriter(path, "llama")
+def write_llama_header(writer: GGUFWriter, config) -> None:
+    """The llama.* keys a GGUF of the tiny model needs, from its transformers config."""
     for key, value in (("block_count", config.num_hidden_layers), ("context_length", 512),
                        ("embedding_length", config.hidden_size),
                        ("feed_forward_length", config.intermediate_size),
@@ -33,6 +30,14 @@ def tiny_gguf_with_tokenizer(path: Path, embed_tokenizer: bool = True) -> Path:
                        ("attention.head_count_kv", config.num_key_value_heads)):
         writer.add_uint32(f"llama.{key}", value)
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+
+
+def tiny_gguf_with_tokenizer(path: Path, embed_tokenizer: bool = True) -> Path:
+    """A llama GGUF of the tiny model with the tiny tokenizer embedded (BPE, 'gpt2' model).
+    Q/K are not permuted: these files test loading, not numerics."""
+    config, tokenizer = hf_config("llama"), tiny_tokenizer()
+    writer = GGUFWriter(path, "llama")
+    write_llama_header(writer, config)
     if embed_tokenizer:
         _embed_tokenizer(writer, tokenizer)
     for name, tensor in tiny_hf_model("llama").state_dict().items():

@@ -8,8 +8,9 @@ import torch
 from tiny_models import tiny_model_dir
 
 from pagedgen import LLM, SamplingParams
-from pagedgen.kernels import invariant_attention, reference
-from pagedgen.kernels.invariant_attention import paged_attention
+from pagedgen.kernels import reference
+from pagedgen.kernels.cpu import invariant_attention
+from pagedgen.kernels.cpu.invariant_attention import paged_attention
 from paged_batch import make_paged_batch
 from pagedgen.model.layers.row_tiles import in_row_tiles
 
@@ -125,13 +126,13 @@ def test_the_default_path_is_not_batch_invariant():
 
 
 def test_the_switch_reaches_the_runner_from_yaml_and_the_flag():
-    from pagedgen.cli.config import ConfigError, load_config
-    from pagedgen.cli.run_job import build_llm
+    from pagedgen.jobs.config import ConfigError, load_config
+    from pagedgen.jobs.run_job import build_llm
 
     config = load_config(None, [("--batch-invariant", {"batch_invariant": True}),
                                 ("--model", {"model": str(tiny_model_dir())}),
                                 ("--num-blocks", {"num_blocks": 16})])
     assert build_llm(config).runner.batch_invariant
-    assert not load_config().batch_invariant
+    assert not load_config().engine.batch_invariant
     with pytest.raises(ConfigError, match="batch_invariant"):
         load_config(None, [("--set batch_invariant=maybe", {"batch_invariant": "maybe"})])

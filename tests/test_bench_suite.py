@@ -18,7 +18,7 @@ sys.path.insert(1, str(BENCH / "peers"))   # the runners import their helpers as
 
 from peers.common import Workload, check_outputs  # noqa: E402
 from peers.cpu_info import cpu_info  # noqa: E402
-from peers.floor import ModelShape, workload_flops  # noqa: E402
+from peers.floor import ModelShape, kv_read_bytes, weight_bytes, workload_flops  # noqa: E402
 from peers.run_hf_static import plan_batches  # noqa: E402
 from peers.workload import SUITE, random_workload, suite_specs  # noqa: E402
 
@@ -114,6 +114,55 @@ def test_floor_counts_samples_and_a_shared_prefix_once():
     shared = replace(plain, shared_prefix_len=4)
     assert workload_flops(SHAPE, shared) == pytest.approx(reference_flops([5, 9], [3, 4], prefix=4))
     assert workload_flops(SHAPE, shared) < workload_flops(SHAPE, plain)
+
+
+def test_floor_counts_a_sliding_layer_s_window_only():
+    # One of the two layers sees the last 3 keys: position p costs min(p + 1, 3) there.
+    sliding = replace(SHAPE, sliding_layers=1, window=3)
+    workload = Workload([[1] * 5, [1] * 9], [3, 4])
+    per_key = 4 * SHAPE.heads * SHAPE.head_dim
+    fewer = sum(per_key * (p + 1 - min(p + 1, 3)) for length, g in ((5, 3), (9, 4))
+                for p in range(length + g - 1))
+    assert workload_flops(sliding, workload) == pytest.approx(workload_flops(SHAPE, workload) - fewer)
+    config = {"num_attention_heads": 2, "hidden_size": 8, "intermediate_size": 16,
+              "num_hidden_layers": 6, "vocab_size": 32, "sliding_window": 512,
+              "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}
+    assert (ModelShape.from_config(config).sliding_layers, ModelShape.from_config(config).window) == (5, 512)
+    assert ModelShape.from_config({**config, "use_sliding_window": False}).sliding_layers == 0
+    assert kv_read_bytes(sliding, workload, 2.0, 4) < kv_read_bytes(SHAPE, workload, 2.0, 4)
+
+
+def reference_kv_blocks(workload: Workload, block_size: int) -> int:
+    """Brute force: simulate the fewest-steps schedule and count the distinct physical blocks
+    read at every step, as sets of (owner, block index)."""
+    total = 0
+    for step in range(1, max(workload.max_tokens)):
+        read = set()
+        for i, (prompt, g) in enumerate(zip(workload.prompts, workload.max_tokens)):
+            if step >= g:
+                continue
+            for t in range(len(prompt)):
+                owner = "prefix" if t < workload.shared_prefix_len else ("prompt", i)
+                read.add((owner, t // block_size) if owner == "prefix" else
+                         (owner, (t - workload.shared_prefix_len) // block_size))
+            for sample in range(workload.n):
+                for t in range(step):
+                    read.add((("sample", i, sample), t // block_size))
+        total += len(read)
+    return total
+
+
+def test_memory_floor_reads_shared_blocks_once_per_step():
+    per_block = SHAPE.kv_bytes_per_token(2.0) * 4
+    cases = [Workload([[1] * 5, [1] * 9], [3, 6]),
+             Workload([[1] * 7, [1] * 13], [5, 2], n=3, temperature=1.0),
+             Workload([[1] * 10, [1] * 12, [1] * 11], [4, 9, 1], shared_prefix_len=8)]
+    for workload in cases:
+        assert kv_read_bytes(SHAPE, workload, 2.0, block_size=4) == \
+            pytest.approx(reference_kv_blocks(workload, 4) * per_block)
+    plain, shared = cases[2], replace(cases[2], shared_prefix_len=0)
+    assert kv_read_bytes(SHAPE, plain, 2.0, 4) < kv_read_bytes(SHAPE, shared, 2.0, 4)
+    assert weight_bytes(SHAPE, plain, 2.0) == 9 * 2.0 * (SHAPE.params_per_token + SHAPE.vocab * SHAPE.hidden)
 
 
 def test_outputs_are_checked_flat_with_n_samples():

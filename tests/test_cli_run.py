@@ -12,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import pagedgen.cli.run_job as run_job
+import pagedgen.jobs.run_job as run_job
 from pagedgen.cli.app import app
 from tiny_models import tiny_hf_model, tiny_model_dir, tiny_tokenizer
 from jsonl_files import read_jsonl, write_jsonl
@@ -145,12 +145,14 @@ def test_usage_and_config_errors_exit_2_before_running(tmp_path, config_path):
     assert run_cli(tmp_path / "missing.jsonl", "-c", config_path).exit_code == 2
     missing_model = run_cli(inputs, "-c", config_path, "--model", tmp_path / "nowhere", "--no-report")
     assert missing_model.exit_code == 2 and "cannot load the model" in missing_model.stderr
+    # A model that cannot load is found before anything is written: no manifest is left.
+    assert not (tmp_path / "in.completions.manifest.json").exists()
     both = run_cli(inputs, "-c", config_path, "--resume", "--overwrite")
     assert both.exit_code == 2 and "contradict" in both.stderr
     if not torch.cuda.is_available():
         no_gpu = run_cli(inputs, "-c", config_path, "--device", "cuda", "--no-report")
         assert no_gpu.exit_code == 2 and "CUDA is not available" in no_gpu.stderr
-    (tmp_path / "in.completions.jsonl").write_text('{"id": 1}\n')
+    assert run_cli(inputs, "-c", config_path, "--no-report").exit_code == 0
     exists = run_cli(inputs, "-c", config_path, "--no-report")
     assert exists.exit_code == 2 and "--resume" in exists.stderr and "--overwrite" in exists.stderr
     assert not list(tmp_path.glob("*.errors.jsonl"))
@@ -189,6 +191,24 @@ def test_interrupted_run_resumes_and_answers_every_id_once(tmp_path, config_path
     monkeypatch.setattr(run_job, "build_llm", lambda config: pytest.fail("model loaded"))
     third = run_cli(inputs, "-c", config_path, "--resume", "--no-report")
     assert third.exit_code == 0 and len(read_jsonl(output)) == 8
+
+
+def test_ctrl_c_after_the_job_ends_exits_130_not_some_lines_failed(tmp_path, config_path,
+                                                                    monkeypatch):
+    # Outside the job's own handlers a SIGINT reaches Typer as a KeyboardInterrupt: it must
+    # still exit 130 (interrupted), never 1, which says "some lines failed".
+    import pagedgen.cli.app as cli_app
+
+    inputs = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x = 1"}])
+
+    def interrupted_while_printing(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli_app, "_print_outcome", interrupted_while_printing)
+    with pytest.raises(SystemExit) as exit_:
+        cli_app.app(["run", str(inputs), "-c", str(config_path), "--no-report", "-q"],
+                    prog_name="pagedgen")
+    assert exit_.value.code == 128 + signal.SIGINT
+    assert [key(r) for r in read_jsonl(tmp_path / "in.completions.jsonl")] == ["a"]
 
 
 def test_sigterm_to_a_real_process_leaves_whole_lines(tmp_path, config_path):
@@ -244,3 +264,20 @@ def test_summary_names_only_files_that_exist(tmp_path, config_path):
     assert f"errors:      {errors}" in result.stderr and len(read_jsonl(errors)) == 2
     assert f"in order:    {ordered}" in result.stderr and len(read_jsonl(ordered)) == 2
     assert "report:" not in result.stderr
+
+
+def test_plain_text_lines_say_why_and_how_to_wrap_them(tmp_path, config_path):
+    source = tmp_path / "plain.jsonl"
+    source.write_text("Tell me a joke.\nWhat is the capital of France?\n")
+    result = run_cli(source, "--config", config_path, "--output", tmp_path / "out.jsonl", "-q")
+    assert result.exit_code == 1
+    assert "0 of 2 requests answered, 2 failed" in result.output
+    assert "line 1: plain text, not JSON" in result.output
+    assert 'write the line as {"prompt": "your text"}' in result.output
+
+
+def test_version():
+    from pagedgen import __version__
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"pagedgen {__version__}"

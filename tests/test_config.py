@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedgen.cli.config import (ConfigError, RunConfig, load_config, parse_set_option, parse_size,
+from pagedgen.jobs.config import (ConfigError, RunConfig, load_config, parse_set_option, parse_size,
                              read_yaml)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -19,7 +19,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_defaults_without_file():
     config = load_config()
     assert config == RunConfig()
-    assert config.model is None and config.device == "auto" and config.output.ordered
+    assert config.engine.model is None and config.engine.device == "auto" and config.output.ordered
 
 
 def test_running_without_a_config_means_configs_default_yaml():
@@ -29,21 +29,21 @@ def test_running_without_a_config_means_configs_default_yaml():
 @pytest.mark.parametrize("name", ["default.yaml", "cpu-small.yaml", "gpu-h200.yaml"])
 def test_shipped_configs_load(name):
     config = load_config(CONFIGS / name)
-    assert config.block_size >= 1
+    assert config.engine.block_size >= 1
     assert config.sampling.get("max_tokens", 1) >= 1
 
 
 def test_gpu_config_targets_cuda():
     config = load_config(CONFIGS / "gpu-h200.yaml")
-    assert config.device.startswith("cuda") and config.dtype == "bfloat16"
+    assert config.engine.device.startswith("cuda") and config.engine.dtype == "bfloat16"
 
 
 def test_values_are_read_and_sizes_parsed(tmp_path):
     path = write(tmp_path, "block_size: 32\nkv_memory: 2GiB\nsampling:\n  temperature: 0\n"
                            "  stop: END\noutput:\n  ordered: false\n")
     config = load_config(path)
-    assert config.block_size == 32
-    assert config.kv_memory == 2 * 2**30
+    assert config.engine.block_size == 32
+    assert config.engine.kv_memory == 2 * 2**30
     assert config.sampling["temperature"] == 0.0 and config.sampling["stop"] == ["END"]
     assert config.sampling["top_p"] == 0.95  # untouched defaults stay
     assert config.output.ordered is False
@@ -98,8 +98,8 @@ def test_flags_override_the_file_and_name_the_flag(tmp_path):
     path = write(tmp_path, "block_size: 32\nkv_memory: 1GiB\nsampling:\n  top_k: 5\n")
     config = load_config(path, [("--num-blocks", {"num_blocks": 100}),
                                 ("--temperature", {"sampling": {"temperature": 0.0}})])
-    assert config.block_size == 32
-    assert config.num_blocks == 100 and config.kv_memory is None  # the flag replaces the budget
+    assert config.engine.block_size == 32
+    assert config.engine.num_blocks == 100 and config.engine.kv_memory is None  # the flag replaces the budget
     assert config.sampling["top_k"] == 5 and config.sampling["temperature"] == 0.0
     with pytest.raises(ConfigError, match=r"^--block-size: 'block_size' must be an integer >= 1"):
         load_config(path, [("--block-size", {"block_size": 0})])
@@ -110,7 +110,7 @@ def test_set_option_parses_yaml_values():
     assert parse_set_option("model=default") == {"model": "default"}
     config = load_config(None, [("--set", parse_set_option("enable_prefix_caching=false")),
                                 ("--set", parse_set_option("model=default"))])
-    assert config.enable_prefix_caching is False and config.model is None
+    assert config.engine.enable_prefix_caching is False and config.engine.model is None
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         parse_set_option("top_k")
 
@@ -125,17 +125,3 @@ def test_parse_size(text, expected):
 def test_parse_size_rejects(bad):
     with pytest.raises(ValueError):
         parse_size(bad)
-
-
-def test_llm_and_the_run_config_share_the_engine_defaults():
-    """One set of defaults: LLM(), `pagedgen run` (and so configs/default.yaml) and the engine."""
-    import inspect
-
-    from pagedgen import LLM
-    from pagedgen.engine.engine_config import EngineConfig
-
-    signature = inspect.signature(LLM.__init__).parameters
-    engine, run = EngineConfig(), RunConfig()
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching",
-                 "seed", "block_size", "num_blocks", "kv_memory"):
-        assert signature[name].default == getattr(engine, name) == getattr(run, name), name

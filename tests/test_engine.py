@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from pagedgen import LLM, SamplingParams
-from pagedgen.engine.engine import EngineConfig, LLMEngine
+from pagedgen.engine.engine import LLMEngine
 from pagedgen.model.runtime.runner import ModelRunner
+from pagedgen.settings import EngineConfig
 from tiny_models import tiny_hf_model, tiny_loaded_model, tiny_model_dir
 
 MIXED_PROMPTS = [list(range(10 + 7 * i, 10 + 7 * i + n)) for i, n in enumerate([3, 17, 40, 64, 9, 30])]
@@ -192,7 +193,7 @@ def test_eos_stops_unless_ignore_eos():
     reference = hf_greedy(tuple(prompt))
     eos = reference[3]
     loaded = tiny_loaded_model()
-    engine = LLMEngine(ModelRunner(loaded, 16, num_blocks=32), loaded.tokenizer, [eos],
+    engine = LLMEngine(ModelRunner(loaded, EngineConfig(block_size=16, num_blocks=32)), loaded.tokenizer, [eos],
                        EngineConfig(max_model_len=512))
     engine.add_request("eos", prompt, SamplingParams(temperature=0, max_tokens=12))
     engine.add_request("ignore", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import pagedgen.cli.prepare as prepare_module
-import pagedgen.cli.run_job as run_job
+import pagedgen.jobs.prepare as prepare_module
+import pagedgen.jobs.run_job as run_job
 from pagedgen.cli.app import app
-from tiny_models import tiny_model_dir
+from tiny_models import tiny_model_dir, write_tiny_run_config
 from jsonl_files import read_jsonl, write_jsonl
 
 GOOD = {"id": "good", "prompt": "import os"}
@@ -27,11 +27,7 @@ GOOD = {"id": "good", "prompt": "import os"}
 
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("config") / "tiny.yaml"
-    path.write_text(f"model: {tiny_model_dir('llama')}\ndtype: float32\ndevice: cpu\n"
-                    "num_blocks: 64\nmax_num_seqs: 4\nmax_model_len: 64\nthreads: 1\n"
-                    "sampling:\n  max_tokens: 3\n  temperature: 0\n  ignore_eos: true\n")
-    return path
+    return write_tiny_run_config(tmp_path_factory.mktemp("config") / "tiny.yaml")
 
 
 def snapshot(folder: Path) -> dict[str, str]:

@@ -57,7 +57,7 @@ def test_tiny_config_sizing_through_the_cli():
     # 2 layers x 2 KV heads x head dim 16 (64 / 4 heads) x 2 x 4 bytes = 512 B per token.
     result = cli("inspect-memory", "--model", str(tiny_model_dir("llama")), "--dtype", "float32",
                  "--kv-memory", "1MiB", "--block-size", "16", "--seq-len", "100", "--seq-len", "512",
-                 "--max-model-len", "512", "--json")
+                 "--max-model-len", "512", "--json", "-")
     assert result.exit_code == 0, result.output
     d = json.loads(result.stdout)
     assert (d["bytes_per_token"], d["bytes_per_block"], d["num_blocks"], d["pool_tokens"]) == \
@@ -116,27 +116,48 @@ def test_gguf_shape_comes_from_the_loaders_config(tmp_path):
         read_model_shape(tmp_path / "bad.gguf")
 
 
-def test_sliding_window_caps_the_length_for_gguf_and_config_json(tmp_path, smollm2_config_dir):
+def test_a_sliding_window_no_longer_caps_the_length_but_shapes_the_pool(tmp_path,
+                                                                      smollm2_config_dir):
     path = tmp_path / "windowed.gguf"
     write_header_only_gguf(path, sliding_window=4096)
-    assert read_model_shape(path).max_position_embeddings == 4096
+    shape = read_model_shape(path)
+    assert shape.max_position_embeddings == 8192
     from transformers import MistralConfig
 
     folder = tmp_path / "mistral"
     MistralConfig(**SMOLLM2, sliding_window=1024).save_pretrained(folder)
-    assert read_model_shape(folder).max_position_embeddings == 1024
-    assert read_model_shape(smollm2_config_dir).max_position_embeddings == 8192  # Llama: no window
+    shape = read_model_shape(folder)
+    assert shape.max_position_embeddings == SMOLLM2["max_position_embeddings"]
+    assert set(shape.layer_windows) == {1024}  # every layer slides: one group with a window
+    assert read_model_shape(smollm2_config_dir).layer_windows == ()  # Llama: no window
+
+
+def test_sizing_of_a_hybrid_pool_shows_groups_and_the_full_attention_row():
+    """Gemma 3 270M's KV shape at 1 GiB: pages of 3 layers; an 8,192-token sequence holds its
+    512 blocks in the full group and 33 in each sliding group."""
+    windows = tuple(0 if (i + 1) % 6 == 0 else 512 for i in range(18))
+    sizing = pool_sizing(KVShape(18, 1, 256, "bfloat16", "auto", windows), 16, 32768,
+                         kv_memory_bytes=2**30)
+    assert sizing.bytes_per_token == 2 * 3 * 256 * 2 and sizing.page_layers == 3
+    assert [g["window"] for g in sizing.groups] == [0] + [512] * 5
+    assert sizing.full_attention_bytes_per_token == 2 * 18 * 256 * 2
+    fit = sequence_fit(sizing, 8192)
+    assert fit.blocks_per_sequence == 512 + 5 * 33
+    assert fit.paged_sequences == sizing.num_blocks // 677
+    assert fit.full_attention_sequences == 2**30 // (8192 * 18432)
+    assert fit.blocks_freed_by_window == 5 * (512 - 33)
 
 
 def test_without_a_size_inspect_memory_and_llm_pick_the_same_pool():
     from pagedgen import LLM
-    from pagedgen.cli.config import RunConfig
+    from pagedgen.jobs.config import RunConfig
+    from pagedgen.settings import EngineConfig
     from pagedgen.cli.inspect_memory import sizing_for_config
     from pagedgen.model.runtime.kv_cache import DEFAULT_KV_MEMORY_BYTES
     from tiny_models import tiny_model_dir
 
     folder = str(tiny_model_dir("llama"))
-    sized = sizing_for_config(RunConfig(model=folder, dtype="float32", device="cpu", kv_memory=None))
+    sized = sizing_for_config(RunConfig(EngineConfig(model=folder, dtype="float32", device="cpu")))
     llm = LLM(folder, dtype="float32", device="cpu")
     # 512 B per token (see above) x 16 tokens a block: 1 GiB, not a share of free memory.
     assert llm.runner.num_blocks == sized["num_blocks"] == DEFAULT_KV_MEMORY_BYTES // (512 * 16)
@@ -192,7 +213,7 @@ def test_report_map_through_the_cli(sim_report, tmp_path):
     assert shown.exit_code == 0, shown.output
     assert f"Pool at step {sim_report['summary']['peak_step']}" in shown.stdout
     assert f"physical block {seq['block_table'][0]}" in shown.stdout
-    machine = cli("inspect-memory", "--report", str(path), "--json", "--request", seq["request_id"],
+    machine = cli("inspect-memory", "--report", str(path), "--json", "-", "--request", seq["request_id"],
                   "--sample", str(seq["sample_index"]), "--token", "3")
     d = json.loads(machine.stdout)
     assert d["map"]["blocks_used"] == sim_report["summary"]["peak_blocks_used"]

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedgen.kernels import get_ops, reference, cpu_backend
+from pagedgen.kernels import get_ops, reference
+from pagedgen.kernels.cpu import backend as cpu_backend
 from paged_batch import make_paged_batch
 
 SCALE = 0.3

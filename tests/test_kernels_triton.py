@@ -15,7 +15,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from pagedgen.kernels import reference, triton_ops  # noqa: E402
+from pagedgen.kernels import reference  # noqa: E402
+
+from pagedgen.kernels.triton import ops as triton_ops
 from paged_batch import make_paged_batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,3 +123,37 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "paged_attention_kernel" in done.stdout and "copy_blocks_kernel" in done.stdout
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+def test_triton_sliding_window_matches_reference_and_skips_dropped_blocks(block_size, window):
+    from window_cases import poison_dropped_blocks, window_batch_lens
+    seq_lens, q_lens = window_batch_lens(block_size, window)
+    batch = make_paged_batch(seq_lens, q_lens, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                             block_size=block_size, seed=window)
+    expected = reference.paged_attention(*batch.attention_args(), SCALE, sliding_window=window)
+    assert poison_dropped_blocks(batch, window) > 0
+    plan = triton_ops.plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                                     block_size, window)
+    out = triton_ops.paged_attention(*batch.attention_args(), SCALE, plan=plan,
+                                     sliding_window=window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "fp8_e4m3"])
+def test_triton_sliding_window_on_8bit_pools(fmt_name):
+    from test_kv_quant import dequantized, quantize_pool
+    from window_cases import poison_dropped_blocks, window_batch_lens
+    block_size, window = 8, 11
+    seq_lens, q_lens = window_batch_lens(block_size, window)
+    batch = make_paged_batch(seq_lens, q_lens, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                             block_size=block_size, seed=2)
+    k, v, ks, vs = quantize_pool(batch.k_cache, batch.v_cache, fmt_name)
+    expected = reference.paged_attention(batch.query, dequantized(k, ks), dequantized(v, vs),
+                                         *batch.attention_args()[3:], SCALE,
+                                         sliding_window=window)
+    poison_dropped_blocks(batch, window, ks, vs)
+    out = triton_ops.paged_attention(batch.query, k, v, *batch.attention_args()[3:], SCALE,
+                                     k_scales=ks, v_scales=vs, sliding_window=window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedgen.kernels import cpu_backend, reference
+from pagedgen.kernels import reference
+from pagedgen.kernels.cpu import backend as cpu_backend
 from pagedgen.kernels.kv_quant import (KV_CACHE_DTYPES, dequantize, error_bound, kv_format,
                                        store_kv_quantized)
 from paged_batch import make_paged_batch
@@ -145,7 +146,7 @@ def test_copy_blocks_moves_codes_of_every_layer(fmt_name):
 
 
 def native_or_skip():
-    from pagedgen.kernels import native
+    from pagedgen.kernels.cpu import native
 
     if native.load() is None:
         pytest.skip("no C compiler: the native kernels are unavailable")
@@ -195,7 +196,7 @@ def test_native_decode_on_wide_heads_long_blocks_and_large_groups(fmt_name, head
 
 
 def test_decodes_without_the_native_kernel_take_the_gather_path(monkeypatch):
-    from pagedgen.kernels import native
+    from pagedgen.kernels.cpu import native
 
     seq_lens, q_lens = mixed_lens(16)
     batch = make_paged_batch(seq_lens, q_lens, num_q_heads=4, num_kv_heads=2, head_dim=32,

@@ -34,7 +34,7 @@ def test_inspect_memory_cli_takes_the_kv_cache_dtype():
     folder = str(tiny_model_dir("llama"))
     # 2 layers x 2 KV heads x 16 x 2 (K, V) x 1 B = 128 B of codes + 2 x 2 x 2 x 4 / 16 = 2 B.
     result = cli("inspect-memory", "--model", folder, "--kv-cache-dtype", "fp8_e4m3",
-                 "--kv-memory", "1MiB", "--block-size", "16", "--max-model-len", "512", "--json")
+                 "--kv-memory", "1MiB", "--block-size", "16", "--max-model-len", "512", "--json", "-")
     assert result.exit_code == 0, result.output
     d = json.loads(result.stdout)
     assert (d["bytes_per_token"], d["bytes_per_block"], d["num_blocks"]) == (130, 2080, 504)

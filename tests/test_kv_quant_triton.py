@@ -8,11 +8,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from pagedgen.kernels import cpu_backend, reference, triton_ops  # noqa: E402
+from pagedgen.kernels import reference  # noqa: E402
+from pagedgen.kernels.cpu import backend as cpu_backend
+
+from pagedgen.kernels.triton import ops as triton_ops
 from pagedgen.kernels.kv_quant import dequantize, kv_format  # noqa: E402
 from paged_batch import make_paged_batch  # noqa: E402
 from pagedgen.model.runtime.batch import ScheduledChunk  # noqa: E402
 from pagedgen.model.runtime.runner import ModelRunner  # noqa: E402
+from pagedgen.settings import EngineConfig
 from tiny_models import tiny_loaded_model  # noqa: E402
 
 SCALE = 0.3
@@ -52,7 +56,7 @@ def test_triton_and_torch_paths_agree_through_the_model_on_an_int8_pool():
              [ScheduledChunk([30], 19, [2, 0, 3], True), ScheduledChunk([6, 7, 8], 1, [1], True)]]
     logits = {}
     for ops in (cpu_backend, triton_ops):
-        runner = ModelRunner(loaded, 8, num_blocks=4, kernels=ops, kv_cache_dtype="int8")
+        runner = ModelRunner(loaded, EngineConfig(block_size=8, num_blocks=4, kv_cache_dtype="int8"), kernels=ops)
         logits[ops] = [runner.execute(chunks, [(1, 3)] if i else []) for i, chunks in enumerate(steps)]
         assert runner.kv_scales is not None and float(runner.kv_scales.abs().max()) > 0
     for expected, got in zip(logits[cpu_backend], logits[triton_ops]):

@@ -7,6 +7,7 @@ import io
 import sys
 
 import pytest
+from rich.console import Console
 
 from pagedgen import LLM, RequestOutput, SamplingParams
 from pagedgen.progress import GenerationProgress
@@ -127,22 +128,25 @@ def test_engine_options_are_checked_before_the_model_loads():
         LLM("/nonexistent/model", max_num_seqs=0)
 
 
-class _FakeTerminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
+def test_progress_bar_on_a_terminal_plain_lines_elsewhere(monkeypatch):
+    import pagedgen.progress as progress
 
-
-def test_progress_bar_draws_only_on_a_terminal(monkeypatch):
-    assert not GenerationProgress(3, 10, enabled=True).enabled   # pytest captures stdout
-    terminal = _FakeTerminal()
-    monkeypatch.setattr(sys, "stdout", terminal)
+    terminal = io.StringIO()
+    monkeypatch.setattr(progress, "stderr_console",
+                        lambda: Console(file=terminal, force_terminal=True, width=160))
     llm().generate([[1, 2, 3]] * 2, GREEDY, use_tqdm=True)
     drawn = terminal.getvalue()
-    assert "2/2" in drawn and "tok/s" in drawn and "/64 blocks" in drawn
-    quiet = _FakeTerminal()
-    monkeypatch.setattr(sys, "stdout", quiet)
+    assert "2/2 req" in drawn and "gen tok/s" in drawn and "prompt tok/s" in drawn and "KV" in drawn
+    assert "2 requests in" in drawn and "KV peak" in drawn          # the final line
+    log = io.StringIO()
+    monkeypatch.setattr(progress, "stderr_console", lambda: Console(file=log, width=160))
+    llm().generate([[1, 2, 3]], GREEDY, use_tqdm=True)
+    assert "\x1b" not in log.getvalue() and log.getvalue().startswith("1 requests in")
+    quiet = io.StringIO()
+    monkeypatch.setattr(progress, "stderr_console", lambda: Console(file=quiet))
     llm().generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     assert quiet.getvalue() == ""
+    assert llm().last_run.requests == 1 and llm().memory_report()["last_run"]["requests"] == 1
 
 
 def test_an_error_mid_run_leaves_the_engine_clean_for_the_next_call():
@@ -156,3 +160,16 @@ def test_an_error_mid_run_leaves_the_engine_clean_for_the_next_call():
     assert not llm().engine.has_unfinished()
     assert llm().engine.kv.snapshot().blocks_used == 0
     assert len(llm().generate(prompts, params, use_tqdm=False)) == 3
+
+
+def test_a_failed_request_never_looks_like_an_empty_success():
+    from pagedgen import RequestFailedError
+
+    ok, failed = llm().generate([[1, 2, 3], []], GREEDY, use_tqdm=False)
+    assert ok.outputs[0].token_ids and failed.error
+    with pytest.raises(RequestFailedError, match="empty"):
+        failed.outputs[0].text
+    with pytest.raises(IndexError):         # code that caught the old IndexError still does
+        failed.outputs[0]
+    assert list(failed.outputs) == [] and len(failed.outputs) == 0
+    assert failed.to_dict()["outputs"] == []

@@ -23,6 +23,7 @@ from pagedgen.model.loading.gguf_loader import (dequantize_tensor, gguf_model_co
                                         unpermute_qk)
 from pagedgen.model.loading.loader import build_decoder, load_model
 from pagedgen.model.runtime.runner import ModelRunner
+from pagedgen.settings import EngineConfig
 from pagedgen.model.loading.weights import WeightLoadError
 from tiny_models import gguf_name, hf_config, tiny_hf_model, tiny_loaded_model, tiny_model_dir
 
@@ -59,7 +60,16 @@ def test_architecture_specific_flags():
     assert llama_bias.attention_bias and llama_bias.attention_output_bias
     mistral = model_config_from_hf({**BASE, "architectures": ["MistralForCausalLM"],
                                         "model_type": "mistral", "sliding_window": 128})
-    assert mistral.max_position_embeddings == 128  # full attention is exact inside the window
+    # The window is a mask on every layer now, not a cap on the context.
+    assert mistral.max_position_embeddings == BASE["max_position_embeddings"]
+    assert mistral.sliding_window == 128 and [mistral.window_of(i) for i in range(2)] == [128, 128]
+    qwen2_window = model_config_from_hf({**BASE, "architectures": ["Qwen2ForCausalLM"],
+                                         "use_sliding_window": True, "sliding_window": 64,
+                                         "max_window_layers": 1})
+    assert [qwen2_window.window_of(i) for i in range(2)] == [0, 64]
+    qwen2_off = model_config_from_hf({**BASE, "architectures": ["Qwen2ForCausalLM"],
+                                      "use_sliding_window": False, "sliding_window": 64})
+    assert qwen2_off.layer_types == () and qwen2_off.window_of(1) == 0
     no_arch = {k: v for k, v in BASE.items() if k != "architectures"}
     assert model_config_from_hf({**no_arch, "model_type": "qwen2"}).architecture == "Qwen2ForCausalLM"
 
@@ -84,7 +94,7 @@ def test_kv_bytes_per_token_from_config():
 # --- safetensors folders ------------------------------------------------------------------
 
 def last_logits(loaded, prompt=(5, 9, 13, 40, 41, 7)) -> torch.Tensor:
-    runner = ModelRunner(loaded, 8, num_blocks=2)
+    runner = ModelRunner(loaded, EngineConfig(block_size=8, num_blocks=2))
     return runner.execute([ScheduledChunk(list(prompt), 0, [1], True)], [])[0]
 
 
@@ -139,7 +149,8 @@ def test_pickle_only_folder_is_refused(tmp_path):
 
 
 def test_paths_that_are_not_models_get_clear_errors(tmp_path):
-    with pytest.raises(ValueError, match="neither a folder with config.json nor a .gguf file"):
+    with pytest.raises(ValueError, match=r"hf download HuggingFaceTB/SmolLM2-135M --local-dir "
+                                         r"models/SmolLM2-135M.*LlamaForCausalLM"):
         load_model("HuggingFaceTB/SmolLM2-135M", dtype="float32")
     with pytest.raises(ValueError, match="neither"):
         load_model(str(tmp_path), dtype="float32")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedgen.model.runtime.runner import ModelRunner, ScheduledChunk
+from pagedgen.settings import EngineConfig
 from tiny_models import ARCHITECTURES, sequential_block_tables, tiny_hf_model, tiny_loaded_model
 
 NEW_TOKENS = 10
@@ -44,7 +45,8 @@ def blocks_for(table: list[int], num_tokens: int, block_size: int) -> list[int]:
 def pagedgen_greedy(loaded, prompts: list[list[int]], new_tokens: int, block_size: int) -> list[list[int]]:
     """Greedy generation; sequence i is admitted (prefilled) at step i, then decodes."""
     tables, pool = shuffled_tables([len(p) + new_tokens for p in prompts], block_size)
-    runner = ModelRunner(loaded, block_size, num_blocks=pool)
+    runner = ModelRunner(loaded, EngineConfig(block_size=block_size, num_blocks=pool),
+                         hybrid_kv=False)  # its own tables: one group
     tokens = [list(p) for p in prompts]
     computed = [0] * len(prompts)  # tokens whose K/V are in the cache
     for step in range(len(prompts) + new_tokens):
@@ -94,7 +96,8 @@ def test_greedy_tokens_equal_transformers(arch, tied, block_size):
 def run_chunks(loaded, prompt: list[int], cuts: list[int], block_size: int = 8) -> torch.Tensor:
     """Prefill `prompt` in chunks ending at `cuts` (the last cut is len(prompt)); stacked logits."""
     tables, pool = shuffled_tables([len(prompt)], block_size, seed=3)
-    runner = ModelRunner(loaded, block_size, num_blocks=pool)
+    runner = ModelRunner(loaded, EngineConfig(block_size=block_size, num_blocks=pool),
+                         hybrid_kv=False)  # its own tables: one group
     logits, start = [], 0
     for end in cuts:
         chunk = ScheduledChunk(prompt[start:end], start, blocks_for(tables[0], end, block_size), True)
@@ -122,12 +125,12 @@ def test_prefill_after_cached_prefix_reuses_blocks():
     loaded, block_size = tiny_loaded_model("qwen2"), 8
     shared = random_prompts([2 * block_size], loaded.config.vocab_size, seed=7)[0]
     prompt_a, prompt_b = shared + [11, 12, 13], shared + [21, 22, 23, 24, 25]
-    runner = ModelRunner(loaded, block_size, num_blocks=8)
+    runner = ModelRunner(loaded, EngineConfig(block_size=block_size, num_blocks=8))
     table_a, table_b = [5, 2, 7], [5, 2, 0]  # B maps its first two blocks to A's
     runner.execute([ScheduledChunk(prompt_a, 0, table_a, True)], [])
     cached_blocks = runner.kv_cache[:, :, [5, 2]].clone()
     tail = runner.execute([ScheduledChunk(prompt_b[16:], 16, table_b, True)], [])[0]
-    fresh_runner = ModelRunner(loaded, block_size, num_blocks=8)
+    fresh_runner = ModelRunner(loaded, EngineConfig(block_size=block_size, num_blocks=8))
     fresh = fresh_runner.execute([ScheduledChunk(prompt_b, 0, [1, 3, 4], True)], [])[0]
     torch.testing.assert_close(tail, fresh, atol=1e-5, rtol=1e-5)
     assert torch.equal(runner.kv_cache[:, :, [5, 2]], cached_blocks)
@@ -137,7 +140,8 @@ def test_logits_only_for_sampled_chunks_in_batch_order():
     loaded, block_size = tiny_loaded_model("mistral"), 8
     prompts = random_prompts([3, 12, 5], loaded.config.vocab_size, seed=9)
     tables, pool = shuffled_tables([len(p) for p in prompts], block_size)
-    runner = ModelRunner(loaded, block_size, num_blocks=pool)
+    runner = ModelRunner(loaded, EngineConfig(block_size=block_size, num_blocks=pool),
+                         hybrid_kv=False)  # its own tables: one group
     chunks = [ScheduledChunk(p, 0, t, sample) for p, t, sample in zip(prompts, tables, [True, False, True])]
     logits = runner.execute(chunks, [])
     hf = tiny_hf_model("mistral")
@@ -167,7 +171,9 @@ def default_pair():
     hf_model.generation_config.eos_token_id = None
     hf_model.generation_config.pad_token_id = 2
     hf_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return load_model(None, dtype="float32"), hf_model, hf_tokenizer
+    # transformers dequantizes the file: compare the same weights (the packed int8 path is
+    # checked against this one in test_gguf_real_model.py)
+    return load_model(None, dtype="float32", weights="dequantized"), hf_model, hf_tokenizer
 
 
 def test_default_model_greedy_equals_transformers(default_pair):

@@ -1,10 +1,13 @@
 """The C decode-attention kernels against the reference: the portable loop
-(kernels/cpu_decode_attention.c) and, for bfloat16 on CPUs with AVX-512 BF16, the vector
-kernel (kernels/cpu_decode_attention_bf16.c) that the same entry point tries first."""
+(kernels/cpu/decode_attention.c) and, for bfloat16 on CPUs with AVX-512 BF16, the vector
+kernel (kernels/cpu/decode_attention_bf16.c) that the same entry point tries first."""
 import pytest
 import torch
 
-from pagedgen.kernels import native, reference, cpu_backend
+from pagedgen.kernels import reference
+from pagedgen.kernels.cpu import native
+
+from pagedgen.kernels.cpu import backend as cpu_backend
 
 
 def _decode_case(num_seqs, q_heads, kv_heads, head_dim, block_size, dtype, seed=0,

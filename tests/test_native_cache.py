@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedgen.kernels import native, native_cache
+from pagedgen.kernels.cpu import native
+
+from pagedgen.kernels.cpu import native_cache
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build test libraries")
 
@@ -32,7 +34,7 @@ def _gcc(source: str, out: Path) -> Path:
 
 
 def _stub_source() -> str:
-    body = [f"int {name}(void) {{ return {STUB_MARK}; }}" for name in native._SIGNATURES]
+    body = [f"int {name}(void) {{ return {STUB_MARK}; }}" for name in native.FUNCTIONS]
     return "\n".join(body) + "\n"
 
 
@@ -132,7 +134,7 @@ def test_symbol_less_library_in_the_cache_is_rebuilt(cache, tmp_path):
 
 
 def test_a_build_lacking_symbols_falls_back_to_torch_with_one_warning(cache, tmp_path, monkeypatch):
-    names = list(native._SIGNATURES)
+    names = list(native.FUNCTIONS)
     partial = "\n".join(f"int {n}(void) {{ return 0; }}" for n in names if n != "rope_bf16") + "\n"
     monkeypatch.setenv("CC", str(_fake_compiler(tmp_path, partial)))
     library, messages = _load_quietly()

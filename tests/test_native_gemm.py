@@ -1,9 +1,9 @@
-"""The AMX GEMM (kernels/cpu_gemm_amx.c) and the packed-weight dispatch of model/layers/linear.py."""
+"""The AMX GEMM (kernels/cpu/gemm_amx.c) and the packed-weight dispatch of model/layers/linear.py."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedgen.kernels import native
+from pagedgen.kernels.cpu import native
 from pagedgen.model.layers.linear import AMX_MAX_ROWS, linear, pack_weight
 from gemm_cases import gemm_case, reference_linear
 

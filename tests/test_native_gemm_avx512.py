@@ -1,10 +1,10 @@
-"""The AVX-512 BF16 GEMM (kernels/cpu_gemm_avx512.c) on the shared packing, against float32
+"""The AVX-512 BF16 GEMM (kernels/cpu/gemm_avx512.c) on the shared packing, against float32
 sums of the same bf16 inputs, and its dispatch in model/layers/linear.py."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedgen.kernels import native
+from pagedgen.kernels.cpu import native
 from pagedgen.model.layers.linear import MAX_ROWS, linear, linear_float32, pack_weight
 from gemm_cases import gemm_case, reference_linear
 
@@ -35,9 +35,10 @@ def test_avx512_linear_matches_float32_sums(rows, out_features, in_features, wit
 
 
 @needs_avx512_bf16
-@pytest.mark.parametrize("rows", [1, 17])
+@pytest.mark.parametrize("rows", [1, 17, 48])
 def test_lm_head_float32_output_is_the_bf16_result_widened(rows):
-    # The LM head's shape (49152 x 576); the sampler wants float32 logits in one pass.
+    # The LM head's shape (49152 x 576); the sampler wants float32 logits in one pass. At 48
+    # rows the logits (9 MB) pass GEMM_STREAM_MIN_BYTES: written with non-temporal stores.
     x, weight, _ = gemm_case(rows, 49152, 576, seed=1)
     packed = native.gemm_pack(weight)
     as_f32 = native.avx512_linear(x, packed, 49152, out_dtype=torch.float32)

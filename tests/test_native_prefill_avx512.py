@@ -1,4 +1,4 @@
-"""The AVX-512 BF16 prefill attention kernel (kernels/cpu_prefill_attention_avx512.c) against
+"""The AVX-512 BF16 prefill attention kernel (kernels/cpu/prefill_attention_avx512.c) against
 the float32 reference, and an engine run with it against the gather + SDPA fallback."""
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedgen.kernels import native, reference
+from pagedgen.kernels import reference
+from pagedgen.kernels.cpu import native
 
 
 def _has_avx512_bf16() -> bool:
@@ -29,7 +30,7 @@ def _call_avx512(query, k_cache, v_cache, blocks, context_len, scale, out, threa
     return _library().prefill_attention_avx512_bf16(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         blocks.data_ptr(), context_len, q_len, out.data_ptr(), num_q_heads, k_cache.shape[2],
-        head_dim, k_cache.shape[1], scale, threads or torch.get_num_threads())
+        head_dim, k_cache.shape[1], scale, 0, threads or torch.get_num_threads())
 
 
 def _case(q_len, context_len, q_heads, kv_heads, head_dim, block_size, seed):

@@ -1,12 +1,15 @@
 """Prefill attention on an 8-bit pool with the AVX-512 BF16 kernel
-(kernels/cpu_prefill_attention_avx512.c, codes decoded in place): against a float32 reference
+(kernels/cpu/prefill_attention_avx512.c, codes decoded in place): against a float32 reference
 over the dequantized blocks, against the gather + dequantize + SDPA path, and in the engine."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedgen.kernels import cpu_backend, native, reference
+from pagedgen.kernels import reference
+from pagedgen.kernels.cpu import backend as cpu_backend
+
+from pagedgen.kernels.cpu import native
 from paged_batch import make_paged_batch
 from test_kv_quant import FORMAT_ATOL, FORMATS, dequantized, quantize_pool
 from test_native_prefill_avx512 import (_head_dim_64_model, assert_agree_up_to_near_ties,

@@ -5,11 +5,11 @@ import os
 
 import pytest
 
-from pagedgen.cli import openai_batch
-from pagedgen.cli.output_files import (JsonlAppender, OutputFileError, RequestResult, SampleResult,
+from pagedgen.jobs import openai_batch
+from pagedgen.jobs.output_files import (JsonlAppender, OutputFileError, RequestResult, SampleResult,
                                     TokenLogprob, completed_keys, error_record, result_record,
                                     truncate_partial_line, write_atomically, write_ordered)
-from pagedgen.cli.input_records import Request, RequestError
+from pagedgen.jobs.input_records import Request, RequestError
 
 
 def result(request, text="hi", token_ids=(5, 6), logprobs=None):
@@ -32,6 +32,16 @@ def test_appender_writes_one_flushed_line_per_record(tmp_path):
     with JsonlAppender(path) as out:  # appends, never truncates
         out.write({"id": 3})
     assert len(lines(path)) == 3
+
+
+def test_a_record_is_one_line_for_every_line_splitter(tmp_path):
+    # U+0085, U+2028 and U+2029 are legal raw in JSON but end a line for str.splitlines.
+    text = "a\x85b\u2028c\u2029d\x0be\x1cf é"
+    path = tmp_path / "o.jsonl"
+    with JsonlAppender(path) as out:
+        out.write({"text": text})
+    assert len(path.read_text(encoding="utf-8").splitlines()) == 1
+    assert lines(path) == [{"text": text}]
 
 
 def test_truncate_partial_line(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pagedgen.cli.app import _overrides, app
-from pagedgen.cli.config import ConfigError, load_config
+from pagedgen.jobs.config import ConfigError, load_config
 from pagedgen.ray_data.config import ProcessorConfig
 
 

@@ -147,9 +147,9 @@ def test_a_killed_driver_is_resumed_and_every_id_appears_once(tmp_path, config_p
 
 def test_a_replica_killed_mid_run_loses_and_duplicates_nothing(tmp_path, config_path, ray_instance,
                                                                reference):
-    from pagedgen.cli.config import load_config
+    from pagedgen.jobs.config import load_config
     from pagedgen.cli.ray_job import RayJob
-    from pagedgen.cli.run_job import resolve_paths
+    from pagedgen.jobs.run_job import resolve_paths
 
     inputs = write_jsonl(tmp_path / "in.jsonl", input_lines())
     config = load_config(config_path, [("test", {"ray": {"enabled": True, "replicas": 2,
@@ -164,8 +164,7 @@ def test_a_replica_killed_mid_run_loses_and_duplicates_nothing(tmp_path, config_
                and paths.output.exists() and paths.output.read_bytes().count(b"\n") >= 4):
         assert worker.is_alive() and time.monotonic() < deadline, "the run ended before the kill"
         time.sleep(0.02)
-    victim = next(iter(job.replica_reports.latest))
-    os.kill(int(victim.rsplit("-", 1)[1]), signal.SIGKILL)        # the replica's worker process
+    victim = _kill_a_live_replica(job, worker, deadline)
     worker.join(timeout=300)
     assert not worker.is_alive()
 
@@ -176,6 +175,21 @@ def test_a_replica_killed_mid_run_loses_and_duplicates_nothing(tmp_path, config_
     # (its restarted process re-running the batches it held, and the other replica).
     assert job.replica_reports.latest[victim]["rows"] < COUNT - 3
     assert len(job.replica_reports.latest) >= 2
+
+
+def _kill_a_live_replica(job, worker, deadline: float) -> str:
+    """SIGKILL the worker process of a replica that has reported and still runs; its name.
+    A reporting replica's process may already have ended (its share done): try the others,
+    then wait for a new report."""
+    while True:
+        for name in list(job.replica_reports.latest):
+            try:
+                os.kill(int(name.rsplit("-", 1)[1]), signal.SIGKILL)   # the replica's worker process
+                return name
+            except ProcessLookupError:
+                continue
+        assert worker.is_alive() and time.monotonic() < deadline, "no replica left to kill"
+        time.sleep(0.02)
 
 
 def test_the_stage_maps_a_dataset_with_a_per_row_error_column(ray_instance):

@@ -87,7 +87,7 @@ def test_hand_edited_report_is_refused_naming_the_field(report, tmp_path, name, 
     with pytest.raises(ValueError) as caught:
         load_report(path)
     assert expected in str(caught.value) and str(path) in str(caught.value)
-    result = CliRunner().invoke(app, ["inspect-memory", "--report", str(path), "--json"])
+    result = CliRunner().invoke(app, ["inspect-memory", "--report", str(path), "--json", "-"])
     assert result.exit_code == 2, result.output
     assert expected in " ".join(result.output.split()) and "Traceback" not in result.output
 
@@ -111,7 +111,7 @@ def test_byte_offsets_of_a_valid_report_are_never_negative(report, tmp_path):
     path = tmp_path / "memory_report.json"
     path.write_text(json.dumps(report))
     seq = max(report["peak_block_tables"]["sequences"], key=lambda s: s["num_tokens"] or 0)
-    result = CliRunner().invoke(app, ["inspect-memory", "--report", str(path), "--json", "--request",
+    result = CliRunner().invoke(app, ["inspect-memory", "--report", str(path), "--json", "-", "--request",
                                       seq["request_id"], "--sample", str(seq["sample_index"]),
                                       "--token", str(seq["num_tokens"] - 1)])
     assert result.exit_code == 0, result.output

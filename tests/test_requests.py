@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedgen.cli import openai_batch
-from pagedgen.cli.input_records import (SAMPLING_FIELDS, Request, RequestError, parse_line, read_requests,
+from pagedgen.jobs import openai_batch
+from pagedgen.jobs.input_records import (SAMPLING_FIELDS, Request, RequestError, parse_line, read_requests,
                                         validate_sampling_fields)
 from pagedgen.engine.sampling_params import SamplingParams
 

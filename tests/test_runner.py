@@ -7,6 +7,7 @@ import torch
 from pagedgen.model.runtime import kv_cache as kv
 from pagedgen.model.runtime.batch import build_flat_batch
 from pagedgen.model.runtime.runner import ModelRunner, ScheduledChunk
+from pagedgen.settings import EngineConfig
 from tiny_models import tiny_loaded_model
 
 
@@ -57,7 +58,7 @@ def test_flat_batch_rejects_bad_chunks_naming_the_field(chunk, message):
 
 
 def test_runner_rejects_ids_out_of_range():
-    runner = ModelRunner(tiny_loaded_model(), 8, num_blocks=4)
+    runner = ModelRunner(tiny_loaded_model(), EngineConfig(block_size=8, num_blocks=4))
     with pytest.raises(ValueError, match="block_table holds a block id outside"):
         runner.execute([ScheduledChunk([1, 2], 0, [4], True)], [])
     with pytest.raises(ValueError, match="token_ids must be in"):
@@ -65,13 +66,13 @@ def test_runner_rejects_ids_out_of_range():
     with pytest.raises(ValueError, match="copies holds a block id"):
         runner.execute([], [(0, 9)])
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        ModelRunner(tiny_loaded_model(), 8, num_blocks=70).execute(
+        ModelRunner(tiny_loaded_model(), EngineConfig(block_size=8, num_blocks=70)).execute(
             [ScheduledChunk([1], 512, list(range(65)), True)], [])
 
 
 def test_kv_cache_layout_and_dtype_follow_the_model():
     loaded = tiny_loaded_model("qwen3", dtype=torch.bfloat16)
-    runner = ModelRunner(loaded, 16, num_blocks=5)
+    runner = ModelRunner(loaded, EngineConfig(block_size=16, num_blocks=5))
     cfg = loaded.config
     assert runner.kv_cache.shape == (cfg.num_layers, 2, 5, 16, cfg.num_kv_heads, cfg.head_dim)
     assert runner.kv_cache.dtype == torch.bfloat16 and runner.dtype == torch.bfloat16
@@ -83,7 +84,7 @@ def test_kv_cache_starts_zeroed_even_on_recycled_memory():
     tensor would survive the mask (0 * NaN) and poison the logits."""
     garbage = torch.full((2, 2, 6, 8, 2, 16), float("nan"))  # exactly the pool's size
     del garbage
-    runner = ModelRunner(tiny_loaded_model(), 8, num_blocks=6)
+    runner = ModelRunner(tiny_loaded_model(), EngineConfig(block_size=8, num_blocks=6))
     assert torch.count_nonzero(runner.kv_cache) == 0
 
 
@@ -98,21 +99,21 @@ def test_sizing_arithmetic():
 def test_runner_sizes_pool_from_bytes_or_free_memory_fraction(monkeypatch):
     loaded = tiny_loaded_model()
     per_block = 8 * loaded.config.kv_bytes_per_token(torch.float32)  # 8 * 2*2*2*16*4 = 4096
-    assert ModelRunner(loaded, 8, kv_memory_bytes=per_block * 7 + 1).num_blocks == 7
+    assert ModelRunner(loaded, EngineConfig(block_size=8, kv_memory=per_block * 7 + 1)).num_blocks == 7
     # Without a size, CPU gets a fixed budget (CUDA would take a share of free memory).
-    assert ModelRunner(loaded, 8).num_blocks == kv.DEFAULT_KV_MEMORY_BYTES // per_block
+    assert ModelRunner(loaded, EngineConfig(block_size=8)).num_blocks == kv.DEFAULT_KV_MEMORY_BYTES // per_block
     monkeypatch.setattr(kv, "available_memory_bytes", lambda device: per_block * 100)
-    assert ModelRunner(loaded, 8, kv_memory_fraction=0.25).num_blocks == 25
+    assert ModelRunner(loaded, EngineConfig(block_size=8), kv_memory_fraction=0.25).num_blocks == 25
 
 
 def test_a_pool_larger_than_available_memory_is_refused_with_what_fits(monkeypatch):
     loaded = tiny_loaded_model()
     per_block = 8 * loaded.config.kv_bytes_per_token(torch.float32)
     monkeypatch.setattr(kv, "available_memory_bytes", lambda device: per_block * 100 + 5)
-    assert ModelRunner(loaded, 8, num_blocks=100).num_blocks == 100
-    for size in (dict(num_blocks=101), dict(kv_memory_bytes=per_block * 150)):
+    assert ModelRunner(loaded, EngineConfig(block_size=8, num_blocks=100)).num_blocks == 100
+    for size in (dict(num_blocks=101), dict(kv_memory=per_block * 150)):
         with pytest.raises(ValueError, match=rf"largest pool that fits is 100 blocks \({per_block * 100} bytes\)"):
-            ModelRunner(loaded, 8, **size)
+            ModelRunner(loaded, EngineConfig(block_size=8, **size))
 
 
 def test_llm_refuses_an_impossible_pool_before_allocating_it():
@@ -135,46 +136,51 @@ def _meminfo_total_bytes() -> int:
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(num_blocks=4, kv_memory_bytes=10**6), "at most one"),
-    (dict(num_blocks=0), "num_blocks must be a positive integer"),
-    (dict(kv_memory_bytes=100), "less than one KV block"),
-    (dict(kv_memory_fraction=1.5), r"kv_memory_fraction must be in \(0, 1\]"),
+    (dict(num_blocks=4, kv_memory=10**6), "give num_blocks or kv_memory, not both"),
+    (dict(num_blocks=0), "num_blocks must be an integer >= 1, got 0"),
+    (dict(kv_memory=100), "less than one KV block"),
 ])
 def test_runner_rejects_bad_sizes(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        ModelRunner(tiny_loaded_model(), 8, **kwargs)
+        ModelRunner(tiny_loaded_model(), EngineConfig(block_size=8, **kwargs))
+
+
+def test_runner_rejects_a_bad_memory_fraction():
+    with pytest.raises(ValueError, match=r"kv_memory_fraction must be in \(0, 1\]"):
+        ModelRunner(tiny_loaded_model(), EngineConfig(block_size=8), kv_memory_fraction=1.5)
 
 
 def test_copy_on_write_happens_before_the_forward():
     """A forked child writes into a copy of the shared partial block: decoding through the
     copy (made in the same execute call) must give the parent's logits."""
     loaded, prompt = tiny_loaded_model("llama"), [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
-    runner = ModelRunner(loaded, 8, num_blocks=6)
+    runner = ModelRunner(loaded, EngineConfig(block_size=8, num_blocks=6))
     runner.execute([ScheduledChunk(prompt, 0, [1, 2], True)], [])  # block 2 is half full
     child = runner.execute([ScheduledChunk([40], 12, [1, 3], True)], [(2, 3)])
     parent = runner.execute([ScheduledChunk([40], 12, [1, 2], True)], [])
     torch.testing.assert_close(child, parent, atol=0, rtol=0)
-    without_copy = ModelRunner(loaded, 8, num_blocks=6)
+    without_copy = ModelRunner(loaded, EngineConfig(block_size=8, num_blocks=6))
     without_copy.kv_cache.zero_()
     without_copy.execute([ScheduledChunk(prompt, 0, [1, 2], True)], [])
     assert not torch.allclose(without_copy.execute([ScheduledChunk([40], 12, [1, 3], True)], []), parent)
 
 
 def test_empty_batch_returns_no_logits():
-    runner = ModelRunner(tiny_loaded_model(), 8, num_blocks=2)
+    runner = ModelRunner(tiny_loaded_model(), EngineConfig(block_size=8, num_blocks=2))
     assert runner.execute([], []).shape == (0, 512)
 
 
 def test_triton_kernels_give_the_same_logits_as_torch_kernels():
     """The CUDA path's kernels, run by the Triton interpreter on CPU, through the same model."""
-    from pagedgen.kernels import cpu_backend, triton_ops
+    from pagedgen.kernels.cpu import backend as cpu_backend
+    from pagedgen.kernels.triton import ops as triton_ops
 
     loaded = tiny_loaded_model("qwen2")
     steps = [[ScheduledChunk(list(range(3, 22)), 0, [2, 0, 3], True), ScheduledChunk([5], 0, [1], True)],
              [ScheduledChunk([30], 19, [2, 0, 3], True), ScheduledChunk([6, 7, 8], 1, [1], True)]]
     logits = {}
     for ops in (cpu_backend, triton_ops):
-        runner = ModelRunner(loaded, 8, num_blocks=4, kernels=ops)
+        runner = ModelRunner(loaded, EngineConfig(block_size=8, num_blocks=4), kernels=ops)
         logits[ops] = [runner.execute(chunks, []) for chunks in steps]
     for expected, got in zip(logits[cpu_backend], logits[triton_ops]):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
@@ -182,7 +188,7 @@ def test_triton_kernels_give_the_same_logits_as_torch_kernels():
 
 def test_bfloat16_model_tracks_float32():
     chunks = [ScheduledChunk(list(range(3, 40)), 0, [0, 1, 2], True)]
-    ref = ModelRunner(tiny_loaded_model("llama"), 16, num_blocks=3).execute(chunks, [])
-    bf16 = ModelRunner(tiny_loaded_model("llama", dtype=torch.bfloat16), 16, num_blocks=3).execute(chunks, [])
+    ref = ModelRunner(tiny_loaded_model("llama"), EngineConfig(block_size=16, num_blocks=3)).execute(chunks, [])
+    bf16 = ModelRunner(tiny_loaded_model("llama", dtype=torch.bfloat16), EngineConfig(block_size=16, num_blocks=3)).execute(chunks, [])
     assert bf16.dtype == torch.float32
     assert torch.nn.functional.cosine_similarity(bf16, ref).item() > 0.99

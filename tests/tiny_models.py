@@ -30,6 +30,15 @@ if __name__ != "tiny_models":  # e.g. `tests.tiny_models`: a second copy with ca
                       f"not as `{__name__}`")
 
 ARCHITECTURES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3")
+# Models whose layers slide (windows far shorter than the tests' contexts):
+#   gemma3         Gemma 3's real layer pattern (5 sliding, 1 global; 8 layers), 4 query heads
+#                  per KV head as at 270M/1B, window 16;
+#   gemma3_hd256   head_dim 256, 2 query heads per KV head, window 32, the global layers' RoPE
+#                  scaled (linear, as from 4B up), layer_types listed explicitly;
+#   mistral_window every layer sliding, window 24;
+#   qwen2_window   use_sliding_window from max_window_layers = 1 on, window 20.
+SLIDING_ARCHITECTURES = ("gemma3", "gemma3_hd256", "mistral_window", "qwen2_window")
+WINDOWS = {"gemma3": 16, "gemma3_hd256": 32, "mistral_window": 24, "qwen2_window": 20}
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
 TOKENIZER_VOCAB = 512
@@ -91,7 +100,30 @@ def hf_config(arch: str, tied: bool = False, max_position_embeddings: int = MAX_
         return Qwen2Config(**_COMMON, **ids)
     if arch == "qwen3":
         return Qwen3Config(**_COMMON, **ids, head_dim=32)  # head_dim != hidden / heads, as in Qwen3
-    raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+    if arch == "mistral_window":
+        return MistralConfig(**_COMMON, **ids, sliding_window=WINDOWS[arch])
+    if arch == "qwen2_window":
+        return Qwen2Config(**{**_COMMON, "num_hidden_layers": 3}, **ids, use_sliding_window=True,
+                           sliding_window=WINDOWS[arch], max_window_layers=1)
+    if arch.startswith("gemma3"):
+        return _gemma3_config(arch, ids)
+    raise ValueError(f"arch must be one of {ARCHITECTURES + SLIDING_ARCHITECTURES}, got {arch!r}")
+
+
+def _gemma3_config(arch: str, ids: dict):
+    from transformers import Gemma3TextConfig
+
+    common = dict(hidden_size=64, intermediate_size=128, rms_norm_eps=1e-6, initializer_range=0.1,
+                  sliding_window=WINDOWS[arch], **{**ids, "tie_word_embeddings": True})
+    if arch == "gemma3":   # layer_types from the pattern, as Gemma3TextConfig builds them
+        return Gemma3TextConfig(**common, num_hidden_layers=8, num_attention_heads=4,
+                                num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32)
+    types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    return Gemma3TextConfig(**common, num_hidden_layers=4, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                            layer_types=types, rope_parameters=rope)
 
 
 @functools.cache
@@ -176,3 +208,12 @@ def gguf_name(hf_name: str) -> str:
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     return f"blk.{layer}.{GGUF_NAMES[module]}.{kind}"
+
+
+def write_tiny_run_config(path: Path, max_tokens: int = 3) -> Path:
+    """The YAML config the CLI tests run with: the tiny llama, float32 on CPU, a small pool,
+    greedy completions of `max_tokens` that ignore EOS (so every run's length is known)."""
+    path.write_text(f"model: {tiny_model_dir('llama')}\ndtype: float32\ndevice: cpu\n"
+                    "num_blocks: 64\nmax_num_seqs: 4\nmax_model_len: 64\nthreads: 1\n"
+                    f"sampling:\n  max_tokens: {max_tokens}\n  temperature: 0\n  ignore_eos: true\n")
+    return path

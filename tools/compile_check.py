@@ -16,8 +16,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagedgen.kernels.triton_attention_kernel import paged_attention_kernel
-from pagedgen.kernels.triton_cache_kernels import copy_blocks_kernel, store_kv_kernel
+from pagedgen.kernels.triton.attention_kernel import paged_attention_kernel
+from pagedgen.kernels.triton.cache_kernels import copy_blocks_kernel, store_kv_kernel
 
 ATTENTION_POINTERS = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")
 # (GROUP, GROUP_PAD, BLOCK_Q, HEAD_DIM): SmolLM2 decode and prefill tiles, Llama-8B prefill.

@@ -1,8 +1,13 @@
-"""The compute floor: the workload's FLOPs over this CPU's measured bf16 GEMM rate.
+"""The floor: the larger of two bounds no engine can beat on this CPU.
 
-No engine can beat it: it assumes every FLOP runs at the speed of a large, well-shaped GEMM and
-that nothing else (memory traffic, attention kernels, Python) costs time. Each engine's generate
-time as a multiple of it says how far from the hardware it is.
+- compute: the workload's FLOPs at the measured rate of a large, well-shaped GEMM;
+- memory: the bytes the workload must read at the measured memory bandwidth — the weights once
+  per step and every live physical KV block once per step, over the fewest steps any engine
+  needs (each request's tokens are sequential, so at least its max_tokens steps; prompts all
+  prefilled in the first). Shared blocks (a common prefix, the prompt of n samples) count once
+  per step, so sharing cannot "beat" the floor; it only lowers it.
+Each engine's generate time as a multiple of the larger bound says how far from the hardware
+it is; which bound binds says what to optimise.
 """
 
 from __future__ import annotations
@@ -22,15 +27,32 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
+    sliding_layers: int = 0   # layers whose queries see only the last `window` keys
+    window: int = 0
 
     @classmethod
     def from_config(cls, config: dict) -> ModelShape:
         heads = config["num_attention_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        layers = config["num_hidden_layers"]
         return cls(hidden=config["hidden_size"], intermediate=config["intermediate_size"],
-                   layers=config["num_hidden_layers"], heads=heads,
+                   layers=layers, heads=heads,
                    kv_heads=config.get("num_key_value_heads", heads), head_dim=head_dim,
-                   vocab=config["vocab_size"])
+                   vocab=config["vocab_size"], **_sliding(config, layers))
+
+    @property
+    def full_layers(self) -> int:
+        return self.layers - self.sliding_layers
+
+    def kv_bytes_per_token(self, dtype_bytes: float, layers: int | None = None) -> float:
+        count = self.layers if layers is None else layers
+        return 2.0 * count * self.kv_heads * self.head_dim * dtype_bytes
+
+    @property
+    def weights_per_step(self) -> int:
+        """Weights a step reads whatever its batch: the layers and the LM head (embedding rows
+        are looked up, not streamed)."""
+        return self.params_per_token + self.vocab * self.hidden
 
     @property
     def params_per_token(self) -> int:
@@ -58,13 +80,70 @@ def workload_flops(shape: ModelShape, workload: Workload) -> float:
     return flops
 
 
+def weight_bytes(shape: ModelShape, workload: Workload, dtype_bytes: float = 2.0) -> float:
+    """Weights read by the fewest-steps schedule: once per step, max(max_tokens) steps (step 0
+    prefills every prompt and samples the first token)."""
+    return max(workload.max_tokens) * shape.weights_per_step * dtype_bytes
+
+
+def kv_read_bytes(shape: ModelShape, workload: Workload, dtype_bytes: float = 2.0,
+                  block_size: int = 16) -> float:
+    """K/V read by the same schedule, each live physical block once per step. At step s >= 1
+    request i (while s < its max_tokens) reads its prompt's blocks and each sample's blocks of
+    s generated tokens; a prefix every prompt shares is read once per step while any request
+    is alive. Prefill writes K/V; reading them back within the chunk is not counted. Sliding
+    layers: each live request's last `window` tokens once per step (its samples may share
+    them)."""
+    full = _full_kv_blocks(workload, block_size) * shape.kv_bytes_per_token(
+        dtype_bytes, shape.full_layers) * block_size
+    if not shape.sliding_layers:
+        return full
+    tokens = sum(min(len(p) + s, shape.window) for s in range(1, max(workload.max_tokens))
+                 for p, g in zip(workload.prompts, workload.max_tokens) if s < g)
+    return full + tokens * shape.kv_bytes_per_token(dtype_bytes, shape.sliding_layers)
+
+
+def _full_kv_blocks(workload: Workload, block_size: int) -> int:
+    prefix = workload.shared_prefix_len
+    prefix_blocks = -(-prefix // block_size)
+    own_blocks = [-(-(len(p) - prefix) // block_size) for p in workload.prompts]
+    total = 0
+    for s in range(1, max(workload.max_tokens)):
+        alive = [own for own, g in zip(own_blocks, workload.max_tokens) if s < g]
+        if alive:
+            total += prefix_blocks + sum(alive) + len(alive) * workload.n * -(-s // block_size)
+    return total
+
+
 def _token_flops(shape: ModelShape, first: int, end: int) -> float:
-    """Layers and attention of the tokens at positions first..end-1 (each attends to p + 1 keys)."""
+    """Layers and attention of the tokens at positions first..end-1 (each attends to p + 1 keys,
+    at most `window` in a sliding layer)."""
     if end <= first:
         return 0.0
-    context_sum = (end * (end + 1) - first * (first + 1)) / 2
+    per_key = 4.0 * shape.heads * shape.head_dim
+    full_keys = _keys_before(end, None) - _keys_before(first, None)
+    window_keys = _keys_before(end, shape.window) - _keys_before(first, shape.window)
     return (2.0 * shape.params_per_token * (end - first)
-            + 4.0 * shape.layers * shape.heads * shape.head_dim * context_sum)
+            + per_key * (shape.full_layers * full_keys + shape.sliding_layers * window_keys))
+
+
+def _keys_before(n: int, window: int | None) -> float:
+    """Keys read by the queries at positions 0..n-1: sum of min(p + 1, window)."""
+    if window is None or n <= window:
+        return n * (n + 1) / 2
+    return window * (window + 1) / 2 + (n - window) * window
+
+
+def _sliding(config: dict, layers: int) -> dict:
+    """How many layers slide and their window, as transformers reads the config: Gemma 3's
+    layer_types, else a sliding_window on every layer (Mistral) unless use_sliding_window is
+    false (Qwen2 leaves it off by default)."""
+    window = config.get("sliding_window") or 0
+    if not window or config.get("use_sliding_window") is False:
+        return {}
+    types = config.get("layer_types")
+    sliding = layers if types is None else sum(t == "sliding_attention" for t in types)
+    return {"sliding_layers": sliding, "window": int(window)}
 
 
 def measure_gemm_rate(threads: int, dtype: str = "bfloat16", size: int = 2048,

@@ -5,10 +5,12 @@ shared pages, e.g. libraries mapped by every vLLM worker, are split between proc
 being counted once per process as RSS would). os.wait4's ru_maxrss adds the kernel's own peak RSS
 of the largest single process, which a sampler can miss between two samples.
 
-PSS is read only when the tree's RSS (cheap: /proc/PID/status) reaches a new high: reading
-smaps_rollup walks every page table of the process under its memory-map lock, and doing it
-four times a second slowed the measured run itself (pagedgen's generate on the bench workload,
-3 GB RSS, 2 vCPUs: 13.7 -> 15.0 s). The peak of PSS falls where RSS peaks.
+PSS is read only when the tree's RSS (cheap: /proc/PID/status) has grown by PSS_READ_STEP
+since the last read: reading smaps_rollup walks every page table of the process under its
+memory-map lock, which page faults wait for. Read at every new RSS high (four times a second
+while an engine faults its KV pages in) it slowed the measured run itself (pagedgen on Gemma 3
+270M w64, 2 vCPUs: generate 38.5 s alone, 49 s under the sampler; bench/README.md). Between
+reads, growth is counted as private, so the peak is within PSS_READ_STEP of the true one.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import os
 import threading
 import time
 from pathlib import Path
+
+PSS_READ_STEP = 64 << 20
 
 
 def _children_map() -> dict[int, list[int]]:
@@ -89,13 +93,15 @@ class TreeMemorySampler:
         self._thread.join()
 
     def _run(self) -> None:
-        highest_rss = 0
+        pss_at = rss_at = 0      # the last PSS read and the tree's RSS when it was read
         while not self._stop.wait(self.interval):
             tree = process_tree(self.root)
             rss = sum(rss_bytes(pid) for pid in tree)
-            if rss > highest_rss:
-                highest_rss = rss
-                self.peak_bytes = max(self.peak_bytes, sum(pss_bytes(pid) for pid in tree))
+            if rss >= rss_at + PSS_READ_STEP or (rss > rss_at and pss_at == 0):
+                pss_at, rss_at = sum(pss_bytes(pid) for pid in tree), rss
+            # Growth since the last read counted as private (PSS grows with it one for one):
+            # exact for the anonymous memory an engine touches, e.g. KV pages faulted in.
+            self.peak_bytes = max(self.peak_bytes, pss_at + max(0, rss - rss_at))
 
 
 def wait_with_rusage(pid: int, timeout_s: float) -> tuple[int, int] | None:

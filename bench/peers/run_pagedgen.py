@@ -19,7 +19,7 @@ def kernel_paths(llm) -> list[str]:
     native library's checks chose), so that a figure can be read with the path behind it."""
     import torch
 
-    from pagedgen.kernels import native
+    from pagedgen.kernels.cpu import native
 
     model = llm.runner.model
     projections = Counter(

@@ -15,8 +15,11 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperCommand
 
-from pagedgen.cli.config import ConfigError, load_config, parse_set_option
-from pagedgen.cli.exit_codes import EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_USAGE
+from pagedgen.jobs.config import ConfigError, load_config, parse_set_option
+from pagedgen.cli.store import store_app
+from pagedgen.cli.exit_codes import EXIT_CODES_HELP, EXIT_INTERNAL, EXIT_USAGE, EXIT_WRITE_FAILED
+from pagedgen.cli.setting_flags import FLAG_TO_SETTING, with_setting_flags
+from pagedgen.settings import SETTINGS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Offline batch generation on a paged KV cache.")
@@ -27,20 +30,25 @@ def _stderr() -> Console:
     return Console(stderr=True, soft_wrap=True)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from pagedgen import __version__
+
+        print(f"pagedgen {__version__}")
+        raise typer.Exit()
+
+
+app.add_typer(store_app, name="store")
+
+
 @app.callback()
-def _main() -> None:
+def _main(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                       help="Print the version and exit.")) -> None:
     """Offline batch generation on a paged KV cache (PagedAttention)."""
 
 
-# Flag -> config key; None means "not given", so the config file's value stands.
-_ENGINE_FLAGS = {"--model": "model", "--dtype": "dtype", "--kv-cache-dtype": "kv_cache_dtype",
-                 "--device": "device",
-                 "--block-size": "block_size", "--kv-memory": "kv_memory",
-                 "--num-blocks": "num_blocks", "--max-num-seqs": "max_num_seqs",
-                 "--max-num-batched-tokens": "max_num_batched_tokens",
-                 "--max-model-len": "max_model_len", "--prefix-caching": "enable_prefix_caching",
-                 "--seed": "seed", "--threads": "threads", "--max-line-bytes": "max_line_bytes",
-                 "--batch-invariant": "batch_invariant"}
+# Flag -> config key; None means "not given", so the config file's value stands. The settings'
+# flags come from the settings table (setting_flags.py); these are the sections' own.
 _SAMPLING_FLAGS = {"--max-tokens": "max_tokens", "--temperature": "temperature",
                    "--top-p": "top_p", "--top-k": "top_k", "--n": "n"}
 _OUTPUT_FLAGS = {"--output": "path", "--errors": "errors_path", "--report-dir": "report_dir",
@@ -56,8 +64,8 @@ def _overrides(flags: dict[str, Any], settings: list[str]) -> list[tuple[str, di
         if value is None:
             continue
         value = str(value) if isinstance(value, Path) else value
-        if flag in _ENGINE_FLAGS:
-            overrides.append((flag, {_ENGINE_FLAGS[flag]: value}))
+        if flag in FLAG_TO_SETTING:
+            overrides.append((flag, {FLAG_TO_SETTING[flag]: value}))
         elif flag in _SAMPLING_FLAGS:
             overrides.append((flag, {"sampling": {_SAMPLING_FLAGS[flag]: value}}))
         elif flag in _RAY_FLAGS:
@@ -68,6 +76,9 @@ def _overrides(flags: dict[str, Any], settings: list[str]) -> list[tuple[str, di
 
 
 def _print_outcome(console: Console, summary: Any, paths: Any, command: str) -> None:
+    if summary.write_error is not None:
+        _print_write_error(console, summary, paths, command)
+        return
     if summary.interrupted_by:
         console.print(f"[bold yellow]Interrupted by {summary.interrupted_by}[/]: {summary.done} of "
                       f"{summary.total} requests done, all saved in {paths.output}.")
@@ -77,8 +88,21 @@ def _print_outcome(console: Console, summary: Any, paths: Any, command: str) -> 
     console.print(f"[bold {style}]{summary.done} of {summary.total} requests answered[/]"
                   + (f" ({summary.already_done} from an earlier run)" if summary.already_done else "")
                   + (f", [red]{summary.failed} failed[/]" if summary.failed else ""))
+    for message in summary.first_errors:  # why, at once: the errors file has every record
+        console.print(f"  {message}", highlight=False, markup=False)
+    if summary.failed > len(summary.first_errors):
+        console.print(f"  ... {summary.failed - len(summary.first_errors)} more in the errors file")
     for label, path in _written_files(summary, paths):
         console.print(f"  {label + ':':<12} {path}")
+
+
+def _print_write_error(console: Console, summary: Any, paths: Any, command: str) -> None:
+    """Disk full and its kin: which file, why, what is safe, how to go on."""
+    console.print(f"[bold red]error:[/] {escape(str(summary.write_error))}", highlight=False)
+    console.print(f"{summary.done:,} of {summary.total:,} answers are saved in {paths.output} "
+                  "(no partial record or temporary file was left). Free some space (or fix the "
+                  "cause), then resume with:", highlight=False)
+    console.print(command, highlight=False, markup=False)
 
 
 def _written_files(summary: Any, paths: Any) -> list[tuple[str, Path]]:
@@ -122,11 +146,13 @@ def _save_log(text: str, log: Path | None) -> Path | None:
     import os
     import tempfile
 
+    from pagedgen.jobs.output_files import OutputWriteError, write_atomically
+
     try:
         if log is not None:
-            log.write_text(text, encoding="utf-8", errors="backslashreplace")
+            write_atomically(log, [text.encode("utf-8", "backslashreplace")])
             return log
-    except OSError:
+    except OutputWriteError:
         pass
     try:
         handle, name = tempfile.mkstemp(prefix="pagedgen-error-", suffix=".log")
@@ -143,76 +169,64 @@ def _one_line(exc: BaseException) -> str:
     return shorten(str(exc), 300)
 
 
+_IO, _SAMPLING, _RESUME, _RAY = "Input/output", "Sampling", "Resume", "Ray"
+
+
 @app.command(cls=_ArgvCommand, epilog=EXIT_CODES_HELP)
+@with_setting_flags("run")
 def run(
     ctx: typer.Context,
     prompts: Path = typer.Argument(..., help="JSONL input: prompt / messages / prompt_token_ids "
                                              "lines or OpenAI Batch API lines."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (see configs/)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o",
+    output: Optional[Path] = typer.Option(None, "--output", "-o", rich_help_panel=_IO,
                                           help="Completions JSONL (default: INPUT.completions.jsonl next to the input)."),
-    errors: Optional[Path] = typer.Option(None, "--errors", help="Error records (default: OUTPUT.errors.jsonl)."),
-    report_dir: Optional[Path] = typer.Option(None, "--report-dir",
+    errors: Optional[Path] = typer.Option(None, "--errors", rich_help_panel=_IO,
+                                          help="Error records (default: OUTPUT.errors.jsonl)."),
+    report_dir: Optional[Path] = typer.Option(None, "--report-dir", rich_help_panel=_IO,
                                               help="Memory report folder (default: OUTPUT.report/)."),
-    no_report: bool = typer.Option(False, "--no-report", help="Skip the memory report."),
-    ordered: Optional[bool] = typer.Option(None, "--ordered/--no-ordered",
+    no_report: bool = typer.Option(False, "--no-report", help="Skip the memory report.",
+                                   rich_help_panel=_IO),
+    ordered: Optional[bool] = typer.Option(None, "--ordered/--no-ordered", rich_help_panel=_IO,
                                            help="Also write OUTPUT.ordered.jsonl in input order."),
-    resume: bool = typer.Option(False, "--resume", help="Skip ids already in the output; run the rest."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Start over if the output exists."),
+    resume: bool = typer.Option(False, "--resume", rich_help_panel=_RESUME,
+                                help="Skip ids already in the output; run the rest."),
+    overwrite: bool = typer.Option(False, "--overwrite", rich_help_panel=_RESUME,
+                                   help="Start over if the output exists."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or report summary."),
-    model: Optional[str] = typer.Option(None, "--model", help="HF folder, .gguf file, or 'default'."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16, float16."),
-    kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype",
-                                                 help="auto, int8, fp8_e4m3, fp8_e5m2 (8-bit KV pool)."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
-    block_size: Optional[int] = typer.Option(None, "--block-size"),
-    kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="KV pool size, e.g. 2GiB."),
-    num_blocks: Optional[int] = typer.Option(None, "--num-blocks"),
-    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
-    max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens"),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
-    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    threads: Optional[int] = typer.Option(None, "--threads"),
-    batch_invariant: Optional[bool] = typer.Option(
-        None, "--batch-invariant/--no-batch-invariant",
-        help="Same output bits for a request whatever shares its batches (slower)."),
-    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Default max_tokens."),
-    temperature: Optional[float] = typer.Option(None, "--temperature"),
-    top_p: Optional[float] = typer.Option(None, "--top-p"),
-    top_k: Optional[int] = typer.Option(None, "--top-k"),
-    n: Optional[int] = typer.Option(None, "--n", help="Default samples per request."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Default max_tokens.",
+                                             rich_help_panel=_SAMPLING),
+    temperature: Optional[float] = typer.Option(None, "--temperature", rich_help_panel=_SAMPLING),
+    top_p: Optional[float] = typer.Option(None, "--top-p", rich_help_panel=_SAMPLING),
+    top_k: Optional[int] = typer.Option(None, "--top-k", rich_help_panel=_SAMPLING),
+    n: Optional[int] = typer.Option(None, "--n", help="Default samples per request.",
+                                    rich_help_panel=_SAMPLING),
     settings: list[str] = typer.Option([], "--set", metavar="KEY=VALUE",
                                        help="Any config key, e.g. --set sampling.min_p=0.05."),
-    max_line_bytes: Optional[str] = typer.Option(
-        None, "--max-line-bytes", help="Longest input line read, e.g. 4MiB (default: 32 bytes "
-                                       "per token of max_model_len, at least 64KiB)."),
     debug: bool = typer.Option(False, "--debug", help="Show the traceback of an internal error."),
-    use_ray: Optional[bool] = typer.Option(None, "--ray/--no-ray", help="Generate on Ray (Ray Data; "
-                                           "pip install 'pagedgen\\[ray]'); see the ray: config section."),
-    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster to join: auto, "
-                                          "ray://HOST:10001 [default: start a local instance]. Implies --ray."),
-    replicas: Optional[int] = typer.Option(None, "--replicas", help="Ray replicas, each with one "
-                                           "model copy. Implies --ray."),
+    use_ray: Optional[bool] = typer.Option(None, "--ray/--no-ray", rich_help_panel=_RAY,
+                                           help="Generate on Ray (Ray Data; pip install "
+                                                "'pagedgen\\[ray]'); see the ray: config section."),
+    address: Optional[str] = typer.Option(None, "--address", rich_help_panel=_RAY,
+                                          help="Ray cluster to join: auto, ray://HOST:10001 "
+                                               "(default: start a local instance). Implies --ray."),
+    replicas: Optional[int] = typer.Option(None, "--replicas", rich_help_panel=_RAY,
+                                           help="Ray replicas, each with one model copy. Implies --ray."),
+    setting_flags: Optional[dict[str, Any]] = None,
 ) -> None:
     """Generate completions for every request in PROMPTS (resumable; nothing finished is lost).
 
     A bad line or a failed request becomes one error record naming its line; the rest run."""
-    from pagedgen.cli.manifest import resume_command
-    from pagedgen.cli.run_job import Job, UsageError, resolve_paths
+    from pagedgen.jobs.manifest import resume_command
+    from pagedgen.jobs.run_job import Job, UsageError, resolve_paths
 
     console = _stderr()
-    flags = {"--model": model, "--dtype": dtype, "--device": device, "--block-size": block_size,
-             "--kv-memory": kv_memory, "--num-blocks": num_blocks, "--max-num-seqs": max_num_seqs,
-             "--max-num-batched-tokens": max_num_batched_tokens, "--max-model-len": max_model_len,
-             "--prefix-caching": prefix_caching, "--seed": seed, "--threads": threads,
-             "--batch-invariant": batch_invariant,
+    flags = {**setting_flags,
              "--max-tokens": max_tokens, "--temperature": temperature, "--top-p": top_p,
              "--top-k": top_k, "--n": n, "--output": output, "--errors": errors,
-             "--report-dir": report_dir, "--ordered": ordered, "--max-line-bytes": max_line_bytes,
+             "--report-dir": report_dir, "--ordered": ordered,
              "--ray": use_ray, "--address": address, "--replicas": replicas}
     argv, job = _command_line(ctx), None
-    flags["--kv-cache-dtype"] = kv_cache_dtype
     try:
         run_config = load_config(config, _overrides(flags, settings))
         paths = resolve_paths(prompts, run_config, write_report=not no_report)
@@ -232,7 +246,7 @@ def run(
         # The log goes next to the output only once the paths were checked (it may be written).
         _internal_error(console, exc, job.paths.error_log if job and job.paths_checked else None, debug)
     _print_outcome(console, summary, paths, resume_command(argv))
-    raise typer.Exit(summary.exit_code)
+    raise typer.Exit(EXIT_WRITE_FAILED if summary.write_error else summary.exit_code)
 
 
 # --- memory and profiling commands ---
@@ -244,100 +258,99 @@ def _fail_usage(console: Console, exc: Exception) -> None:
 
 
 @app.command()
+@with_setting_flags("profile", skip=("block_size",))
 def profile(
-    prompts: Optional[Path] = typer.Argument(None, help="JSONL workload [default: a synthetic one]."),
-    block_size: list[int] = typer.Option([], "--block-size", help="Repeat to compare, e.g. "
-                                         "--block-size 16 --block-size 32 [default: config's]."),
+    prompts: Optional[Path] = typer.Argument(None, help="JSONL workload (default: a synthetic one)."),
+    block_size: list[int] = typer.Option([], "--block-size", rich_help_panel="Engine",
+                                         show_default="the config's, else "
+                                                      + SETTINGS["block_size"].shown_default,
+                                         help=SETTINGS["block_size"].help + " Repeat to compare, "
+                                              "e.g. --block-size 16 --block-size 32."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (see configs/)."),
     num_requests: int = typer.Option(64, "--num-requests", help="Synthetic workload size."),
     prompt_len: str = typer.Option("32..256", "--prompt-len", help="Synthetic prompt lengths MIN..MAX."),
     max_tokens: str = typer.Option("32..256", "--max-tokens", help="Synthetic output lengths MIN..MAX."),
-    seed: int = typer.Option(0, "--seed", help="Workload and engine seed."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results here."),
+    json_path: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
+                                             help="Also write the results as JSON to FILE."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
-    model: Optional[str] = typer.Option(None, "--model", help="HF folder, .gguf file, or 'default'."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16, float16."),
-    kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype",
-                                                 help="auto, int8, fp8_e4m3, fp8_e5m2 (8-bit KV pool)."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
-    kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="KV pool size, e.g. 2GiB."),
-    num_blocks: Optional[int] = typer.Option(None, "--num-blocks", help="Pool size at the first block size."),
-    max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs"),
-    max_num_batched_tokens: Optional[int] = typer.Option(None, "--max-num-batched-tokens"),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
-    threads: Optional[int] = typer.Option(None, "--threads"),
-    batch_invariant: Optional[bool] = typer.Option(
-        None, "--batch-invariant/--no-batch-invariant",
-        help="Same output bits for a request whatever shares its batches (slower)."),
+    setting_flags: Optional[dict[str, Any]] = None,
 ) -> None:
     """Time the engine per phase at one or more block sizes, same workload and KV bytes."""
-    import json
-
-    from pagedgen.cli.profile import WorkloadSpec, parse_range, profile_table, run_profile
-    from pagedgen.cli.run_job import UsageError, load_llm, make_progress
+    from pagedgen.cli.profile import (WorkloadSpec, check_json_target, parse_range, profile_table,
+                                      run_profile)
+    from pagedgen.jobs.run_job import UsageError, load_llm, make_progress
 
     console = _stderr()
-    flags = {"--model": model, "--dtype": dtype, "--device": device, "--kv-memory": kv_memory,
-             "--num-blocks": num_blocks, "--max-num-seqs": max_num_seqs,
-             "--max-num-batched-tokens": max_num_batched_tokens, "--max-model-len": max_model_len,
-             "--seed": seed, "--threads": threads, "--batch-invariant": batch_invariant}
-    flags["--kv-cache-dtype"] = kv_cache_dtype
     try:
-        run_config = load_config(config, _overrides(flags, []))
+        if json_path is not None:   # before the (long) profile, not after it
+            check_json_target(json_path, [("workload", prompts), ("config", config)])
+        run_config = load_config(config, _overrides(setting_flags, []))
         spec = WorkloadSpec(str(prompts) if prompts else None, num_requests,
-                            parse_range(prompt_len, "--prompt-len"), parse_range(max_tokens, "--max-tokens"), seed)
+                            parse_range(prompt_len, "--prompt-len"), parse_range(max_tokens, "--max-tokens"),
+                            run_config.engine.seed)
         with make_progress(console, not quiet) as progress:
-            result = run_profile(run_config, block_size or [run_config.block_size], spec,
+            result = run_profile(run_config, block_size or [run_config.engine.block_size], spec,
                                  load_llm, progress)
     except (ConfigError, UsageError, ValueError, OSError) as exc:
         _fail_usage(console, exc)
     Console().print(profile_table(result))
     if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=2) + "\n")
-        console.print(f"  results: {json_path}")
+        _write_json(json_path, result, console, "results")
+
+
+def _write_json(path: Path, data: Any, console: Console, label: str) -> None:
+    """`--json FILE` of every command: written atomically (the folder made if missing); a
+    failed write is exit 4 naming the file. Where the target may be is checked before the work
+    (profile: check_json_target; inspect-memory: never its --report)."""
+    import json
+
+    from pagedgen.jobs.output_files import OutputWriteError, write_atomically
+
+    try:
+        write_atomically(path, [(json.dumps(data, indent=2) + "\n").encode()])
+    except OutputWriteError as exc:
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(EXIT_WRITE_FAILED) from None
+    console.print(f"  {label}: {path}")
 
 
 @app.command("inspect-memory")
+@with_setting_flags("inspect-memory")
 def inspect_memory(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config (see configs/)."),
-    model: Optional[str] = typer.Option(None, "--model", help="HF folder, .gguf file, or 'default'."),
-    kv_memory: Optional[str] = typer.Option(None, "--kv-memory", help="KV budget, e.g. 4GiB."),
-    num_blocks: Optional[int] = typer.Option(None, "--num-blocks"),
-    block_size: Optional[int] = typer.Option(None, "--block-size"),
     seq_len: list[int] = typer.Option([], "--seq-len", help="Sequence length to fit (repeatable)."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32, bfloat16, float16."),
-    kv_cache_dtype: Optional[str] = typer.Option(None, "--kv-cache-dtype",
-                                                 help="auto, int8, fp8_e4m3, fp8_e5m2 (8-bit KV pool)."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda, cuda:N."),
     report: Optional[Path] = typer.Option(None, "--report", help="A memory_report.json: map its pool."),
-    step: Optional[int] = typer.Option(None, "--step", help="A recorded step [default: the peak]."),
+    step: Optional[int] = typer.Option(None, "--step", help="A recorded step (default: the peak)."),
     request: Optional[str] = typer.Option(None, "--request", help="Show this request's block table."),
     sample: int = typer.Option(0, "--sample", help="Which sample of --request (n > 1)."),
     token: Optional[int] = typer.Option(None, "--token", help="Translate this token index of --request."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON (for machines) instead of tables."),
+    json_path: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
+                                             help="Also write the figures as JSON to FILE "
+                                                  "('-': print JSON instead of the tables)."),
+    setting_flags: Optional[dict[str, Any]] = None,
 ) -> None:
     """KV sizing arithmetic for a model, or (--report) the pool map and a token's address."""
     import json
 
-    from pagedgen.cli.inspect_memory import sizing_for_config, sizing_renderable
-    from pagedgen.memory.inspect_report import inspect_report, load_report
+    from pagedgen.cli.inspect_memory import checked_report, sizing_for_config, sizing_renderable
+    from pagedgen.memory.inspect_report import inspect_report
 
     console, out = _stderr(), Console()
     try:
+        if json_path is not None and report is not None and json_path.resolve() == report.resolve():
+            raise ValueError(f"--json {json_path} is the --report it reads; choose another file")
         if report is not None:
-            data, renderable = inspect_report(load_report(report), step, request, sample, token,
+            data, renderable = inspect_report(checked_report(report, step, request, sample), step,
+                                              request, sample, token,
                                               width=out.width)
         else:
-            flags = {"--model": model, "--dtype": dtype, "--device": device, "--kv-memory": kv_memory,
-                     "--num-blocks": num_blocks, "--block-size": block_size,
-                     "--max-model-len": max_model_len}
-            flags["--kv-cache-dtype"] = kv_cache_dtype
-            data = sizing_for_config(load_config(config, _overrides(flags, [])), seq_len)
+            data = sizing_for_config(load_config(config, _overrides(setting_flags, [])), seq_len)
             renderable = sizing_renderable(data)
     except (ConfigError, ValueError, OSError) as exc:
         _fail_usage(console, exc)
-    if as_json:
+    if json_path is not None and str(json_path) == "-":
         print(json.dumps(data, indent=2))
-    else:
-        out.print(renderable)
+        return
+    out.print(renderable)
+    if json_path is not None:
+        _write_json(json_path, data, console, "figures")

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from pagedgen.settings import default
+
 PHASES = ("scheduling", "forward", "attention", "sampling", "step")
 
 
@@ -113,8 +115,8 @@ def synthetic_workload(num_requests: int, prompt_len: tuple[int, int], max_token
 
 def file_workload(path: str, llm: Any, sampling_defaults: dict[str, Any]) -> tuple[list[WorkItem], int]:
     """Requests of a JSONL file, tokenized for this model; (items, lines skipped as invalid)."""
-    from pagedgen.cli.input_records import Request, read_requests
-    from pagedgen.cli.prepare import prepare
+    from pagedgen.jobs.input_records import Request, read_requests
+    from pagedgen.jobs.prepare import prepare
 
     items, skipped = [], 0
     for entry in read_requests(path, sampling_defaults):
@@ -161,8 +163,10 @@ class ProfileRow:
     peak_concurrent_sequences: int
     preemptions: int
     failed_requests: int
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = default("kv_cache_dtype")
+    first_failure: str | None = None   # why the first failed request failed
     bytes_per_token: int = 0           # of the KV pool, scales included
+    kv_groups: dict[str, Any] | None = None  # a hybrid pool: the report's kv_groups section
 
 
 def _generate(llm: Any, items: Sequence[WorkItem], on_done: Callable[[], None]) -> list[Any]:
@@ -190,7 +194,8 @@ def profile_llm(llm: Any, items: Sequence[WorkItem], on_done: Callable[[], None]
     outputs = _generate(llm, items, on_done)
     wall = time.perf_counter() - start
     stats = {k: v - stats_before[k] for k, v in llm.stats.items()}
-    summary = build_report(llm.tracker, _counter_delta(llm.engine.kv.counters, counters_before))["summary"]
+    report = build_report(llm.tracker, _counter_delta(llm.engine.kv.counters, counters_before))
+    summary = report["summary"]
     runner = llm.runner
     return ProfileRow(
         runner.block_size, runner.num_blocks, runner.kv_cache_bytes, len(items), wall, timer.steps,
@@ -199,7 +204,9 @@ def profile_llm(llm: Any, items: Sequence[WorkItem], on_done: Callable[[], None]
         summary["peak_blocks_used"], summary["kv_utilization_at_peak"],
         summary["internal_fragmentation_at_peak"], summary["peak_concurrent_sequences"],
         stats["preemptions"], sum(1 for o in outputs if o.error),
-        kv_cache_dtype=runner.kv_cache_dtype, bytes_per_token=runner.kv_bytes_per_token)
+        kv_cache_dtype=runner.kv_cache_dtype, bytes_per_token=runner.kv_bytes_per_token,
+        kv_groups=report.get("kv_groups"),
+        first_failure=next((o.error for o in outputs if o.error), None))
 
 
 # --- several block sizes, side by side ---
@@ -210,7 +217,7 @@ class WorkloadSpec:
     num_requests: int = 64
     prompt_len: tuple[int, int] = (32, 256)
     max_tokens: tuple[int, int] = (32, 256)
-    seed: int = 0
+    seed: int = default("seed")                  # the run config's seed (--seed)
 
 
 def _workload(spec: WorkloadSpec, llm: Any, sampling: dict[str, Any]) -> tuple[list[WorkItem], dict[str, Any]]:
@@ -235,21 +242,63 @@ def run_profile(config: Any, block_sizes: Sequence[int], spec: WorkloadSpec,
                 build_llm: Callable[[Any], Any], progress: Any = None) -> dict[str, Any]:
     """config: a RunConfig. The first block size sizes the pool (kv_memory, num_blocks or the
     default); every other block size gets the same pool in bytes."""
-    if not block_sizes or any(b < 1 for b in block_sizes):
-        raise ValueError(f"--block-size must be given positive values, got {list(block_sizes)}")
     rows, items, workload, pool_bytes = [], None, None, None
     for block_size in block_sizes:
         sized = {"kv_memory": pool_bytes, "num_blocks": None} if pool_bytes else {}
-        llm = build_llm(dataclasses.replace(config, block_size=block_size, **sized))
+        engine = dataclasses.replace(config.engine, block_size=block_size, **sized)
+        llm = build_llm(dataclasses.replace(config, engine=engine))
         if items is None:
             items, workload = _workload(spec, llm, config.sampling)
-        rows.append(profile_llm(llm, items, _progress_callback(progress, block_size, len(items))))
+        row = profile_llm(llm, items, _progress_callback(progress, block_size, len(items)))
+        if row.failed_requests == len(items):   # nothing was measured: timings would mislead
+            raise ValueError(f"every request of the workload failed at block size {block_size}, "
+                             f"so there is nothing to profile; the first: {row.first_failure}")
+        rows.append(row)
         pool_bytes = pool_bytes or llm.runner.kv_cache_bytes
         del llm   # free the pool before the next block size allocates its own
     totals = {"requests": len(items),
               "total_prompt_tokens": sum(len(i.prompt_token_ids) for i in items),
               "total_max_tokens": sum(i.params.max_tokens * i.params.n for i in items)}
-    return {"workload": workload | totals, "rows": [dataclasses.asdict(r) for r in rows]}
+    return {"kind": PROFILE_KIND, "workload": workload | totals,
+            "rows": [dataclasses.asdict(r) for r in rows]}
+
+
+# --- --json: the run's path rules ---
+
+PROFILE_KIND = "pagedgen profile"
+
+
+def written_by_profile(path: Any) -> bool:
+    """A results file of an earlier `pagedgen profile --json` (its own kind, or the shape of
+    one written before the kind was recorded)."""
+    import json
+
+    try:
+        with open(path, "rb") as handle:
+            data = json.loads(handle.read(1 << 24))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and (data.get("kind") == PROFILE_KIND
+                                       or set(data) == {"workload", "rows"})
+
+
+def check_json_target(path: Any, inputs: list[tuple[str, Any]]) -> None:
+    """Before profiling: --json must be a file that may be written (jobs/paths.py's rules)."""
+    from pathlib import Path
+
+    from pagedgen.jobs.paths import check_single_target
+
+    check_single_target("--json file", Path(path), [(w, Path(p)) for w, p in inputs if p is not None],
+                        written_by_profile)
+
+
+def write_json(path: Any, result: dict[str, Any]) -> None:
+    """Atomically (a temporary file renamed), so a failure never leaves half a file."""
+    import json
+
+    from pagedgen.jobs.output_files import write_atomically
+
+    write_atomically(path, [(json.dumps(result, indent=2) + "\n").encode()])
 
 
 STEP_PARTS = (("scheduling", "scheduling"), ("attention", "forward: attention"),
@@ -284,4 +333,25 @@ def profile_table(result: dict[str, Any]) -> Any:
     add("peak concurrent sequences", lambda r: str(r["peak_concurrent_sequences"]))
     add("preemptions", lambda r: str(r["preemptions"]))
     add("failed requests", lambda r: str(r["failed_requests"]))
+    if any(r.get("kv_groups") for r in rows):
+        _add_group_rows(add, rows)
+    reasons = {r["first_failure"] for r in rows if r.get("first_failure")}
+    if reasons:
+        table.caption = "first failure: " + "; ".join(sorted(reasons))
     return table
+
+
+def _add_group_rows(add: Callable[..., None], rows: list[dict[str, Any]]) -> None:
+    """A hybrid pool: each layer group's pages at the peak, and every layer full attention."""
+    def group(r: dict[str, Any], index: int) -> dict[str, Any]:
+        return r["kv_groups"]["groups"][index]
+
+    for index, first in enumerate(rows[0]["kv_groups"]["groups"]):
+        kind = f"window {first['window']:,}" if first["window"] else "full"
+        add(f"group {index} ({kind}, {first['layers']} layers): peak blocks / freed by window",
+            lambda r, i=index: f"{group(r, i)['blocks_used_at_peak']:,} / "
+                               f"{group(r, i)['blocks_released_by_window']:,}")
+    add("peak KV bytes / every layer full attention",
+        lambda r: f"{r['kv_groups']['peak_bytes'] / 2**20:,.1f} / "
+                  f"{r['kv_groups']['full_attention']['peak_bytes'] / 2**20:,.1f} MiB "
+                  f"({100 * r['kv_groups']['peak_fraction_of_full_attention']:.0f}%)")

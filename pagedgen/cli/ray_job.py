@@ -16,10 +16,10 @@ from typing import Any
 
 from rich.progress import Progress
 
-from pagedgen.cli.config import RunConfig
-from pagedgen.cli.input_records import Request, RequestError, iter_lines
-from pagedgen.cli.output_files import JsonlAppender
-from pagedgen.cli.run_job import Job, UsageError, make_progress
+from pagedgen.jobs.config import RunConfig
+from pagedgen.jobs.input_records import Request, RequestError, iter_lines
+from pagedgen.jobs.output_files import JsonlAppender
+from pagedgen.jobs.run_job import Job, UsageError, make_progress
 
 _READ = ["line", "record", "error", "replica_report"]   # the stage's columns the driver reads
 
@@ -28,16 +28,20 @@ def processor_config(config: RunConfig) -> Any:
     """The Ray Data stage's config for this run: the same engine and sampling settings."""
     from pagedgen.ray_data.config import ENGINE_KWARGS, ProcessorConfig
 
-    engine = {name: getattr(config, name) for name in ENGINE_KWARGS}
-    model = config.model
-    if model is not None and Path(model).exists():
-        model = str(Path(model).resolve())   # replicas do not share the driver's working folder
+    engine = {name: getattr(config.engine, name) for name in ENGINE_KWARGS}
+    engine["tokenizer"] = _absolute(engine["tokenizer"])
+    model = _absolute(config.engine.model)
     ray = config.ray
     return ProcessorConfig(model=model, engine_kwargs=engine, concurrency=ray.replicas,
                            batch_size=ray.batch_size, sampling=dict(config.sampling),
                            num_cpus=ray.cpus_per_replica,
-                           num_gpus=1 if config.device.startswith("cuda") else 0,
+                           num_gpus=1 if config.engine.device.startswith("cuda") else 0,
                            max_restarts=ray.max_restarts, max_task_retries=ray.max_task_retries)
+
+
+def _absolute(path: str | None) -> str | None:
+    """Replicas do not share the driver's working folder: an existing path is made absolute."""
+    return str(Path(path).resolve()) if path is not None and Path(path).exists() else path
 
 
 def pending_rows(path: Path, pending: list[Request]) -> list[dict[str, Any]]:
@@ -61,6 +65,7 @@ class RayJob(Job):
         self.replica_reports: Any = None
 
     def _run(self) -> None:
+        self.spool_input()
         previous = self.check_start()
         pending = self.open_output(self.read_input(), previous)
         for entry in self.entries:

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pagedgen.engine.engine_config import EngineConfig
+from pagedgen.settings import EngineConfig
 from pagedgen.engine.detokenizer import final_text
 from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.engine.scheduler import Scheduler, SchedulerOutput, rejection_reason
@@ -28,6 +28,7 @@ from pagedgen.engine.sampler import Sampler, SamplerOutput, build_batch
 from pagedgen.engine.sampling_params import SamplingParams
 from pagedgen.engine.prompt_logprobs import record_prompt_logprobs
 from pagedgen.engine.structured_outputs import GrammarBackend, InvalidConstraintError, backend_for
+from pagedgen.engine.store_steps import PrefixStoreSetup, StoreTraffic, attach_store
 
 
 class Runner(Protocol):
@@ -48,7 +49,8 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, runner: Runner, tokenizer: Any, eos_token_ids: list[int], config: EngineConfig,
-                 tracker: Any = None, hash_extra_key: object = None) -> None:
+                 tracker: Any = None, hash_extra_key: object = None,
+                 prefix_store: PrefixStoreSetup | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -56,7 +58,8 @@ class LLMEngine:
         self.tracker = tracker
         self.device = torch.device(runner.device)
         self.kv = KVCacheManager(runner.num_blocks, runner.block_size,
-                                 config.enable_prefix_caching, hash_extra_key)
+                                 config.enable_prefix_caching, hash_extra_key,
+                                 getattr(runner, "group_windows", (0,)))
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
@@ -69,6 +72,9 @@ class LLMEngine:
         self.kept_by_request: dict[str, list[Sequence]] = {}
         self._roots = 0                        # tree roots still being prefilled
         self.grammar: GrammarBackend | None = None   # made by the first structured request
+        self.store: StoreTraffic | None = None        # the prefix store on disk, when given
+        if prefix_store is not None:
+            self.store = attach_store(self.kv, runner, prefix_store)
 
     # --- requests in ---
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -80,7 +86,7 @@ class LLMEngine:
         group = self._new_group(request_id, prompt, prompt_token_ids, params)
         reason = rejection_reason(prompt_token_ids, params, self.config.max_model_len,
                                   self.runner.block_size, self.runner.num_blocks,
-                                  self._vocab_size())
+                                  self._vocab_size(), self._blocks_for_tokens)
         if reason is None and params.structured_outputs is not None:
             reason = self._compile_constraint(group)
         if reason is not None:
@@ -103,7 +109,7 @@ class LLMEngine:
         seq = self.scheduler.waiting[-1]
         reason = beam_rejection_reason(len(prompt_token_ids), seq.group.max_tokens,
                                        params.beam_width, self.runner.block_size,
-                                       self.runner.num_blocks)
+                                       self.runner.num_blocks // self.kv.num_groups)
         if reason is not None:
             self.scheduler.waiting.pop()
             self._rejected.append(_failed_output(seq.group, reason))
@@ -135,7 +141,8 @@ class LLMEngine:
         group = self._new_group(request_id, None, node.token_ids, params)
         group.keep_kv = True
         reason = rejection_reason(node.token_ids, params, self.config.max_model_len,
-                                  self.runner.block_size, self.runner.num_blocks, None)
+                                  self.runner.block_size, self.runner.num_blocks, None,
+                                  self._blocks_for_tokens)
         if reason is not None:
             raise ValueError(f"request {request_id!r}: {reason}")
         seq = self._new_sequence(group)
@@ -171,6 +178,12 @@ class LLMEngine:
         except InvalidConstraintError as exc:
             return str(exc)
         return None
+
+    def _blocks_for_tokens(self, num_tokens: int) -> int:
+        """Pages one sequence holds at most when alone (chunks up to the step's token budget)."""
+        if self.kv.num_groups == 1 and not self.kv.group_windows[0]:
+            return -(-num_tokens // self.runner.block_size)
+        return self.kv.blocks_for_tokens(num_tokens, self.config.max_num_batched_tokens)
 
     def _vocab_size(self) -> int | None:
         return getattr(getattr(self.runner, "config", None), "vocab_size", None)
@@ -211,6 +224,8 @@ class LLMEngine:
         self._rejected = []
         self._roots = 0
         self.kv.take_pending_copies()
+        if self.store is not None:
+            self.store.drop_pending()
         return list(aborted)
 
     # --- one step ---
@@ -235,13 +250,18 @@ class LLMEngine:
         self.stats.requests_failed += len(finished)
         with self._phase("scheduling"):
             scheduled = self.scheduler.schedule()
+        if self.store is not None:
+            self.store.before_step(self.runner)  # stored blocks admitted this step
         roots = self._roots_ready() if self._roots else []
         if not scheduled.chunks and not roots and self.scheduler.has_unfinished():
             held = f"; {len(self.kept)} kept tree nodes hold blocks: release some" \
                 if self.kept else ""
             raise RuntimeError("the scheduler could not schedule anything although requests are "
                                f"waiting; the KV pool is too small for the next request{held}")
+        started = time.perf_counter()
         done = roots + (self._run(scheduled) if scheduled.chunks else [])
+        if self.store is not None:
+            self.store.after_step(self.runner, time.perf_counter() - started, scheduled.num_tokens)
         self._finish(done)
         self.stats.steps += 1
         self._record()  # after finishing, so that the timeline of a finished run ends at 0 blocks

@@ -22,6 +22,19 @@ Rules it keeps (B = block_size):
   later one stays unhashed, is never a prefix hit, and returns to the plain free pool when
   released. So the same tokens do not occupy two cached blocks beyond the life of that sequence.
 
+* **Groups of layers (hybrid models).** Layers are grouped by attention kind (kv_groups.py in
+  model/runtime); every group keeps its own block table per sequence, all over one pool of pages
+  (a page is one block of every layer of one group, so groups never share a page). A group with a
+  sliding window W holds only the blocks covering a sequence's last W tokens: when a sequence
+  appends from position s, its blocks wholly before s - W + 1 are released first (no query from
+  s on reads them) and their table entries become NULL_BLOCK. Blocks are allocated before a
+  long chunk runs and released at the sequence's next append, so a chunk longer than the window
+  still sees all its keys. Released hashed blocks keep their hash and join the cached free
+  queue like any freed block (lazy eviction, LRU). Every group has its own hash chain over the
+  same tokens (the group index is part of the extra key), so chains never depend on which blocks
+  are still present. A prefix hit in a sliding group needs only the blocks covering the window
+  in front of the hit point; the entries before it are NULL_BLOCK.
+
 Errors: bad use raises at once and changes nothing (`append_slots` checks capacity before it
 mutates). Copy-on-write pairs must be applied in list order before the step's K/V are written.
 """
@@ -31,12 +44,16 @@ from __future__ import annotations
 from collections import Counter, abc
 from dataclasses import dataclass, field
 
+from pagedgen.model.runtime.kv_groups import pages_for_tokens
 from pagedgen.validation import require_int
+from pagedgen.settings import default
 
 from .block_hash import BlockHash, as_token_ids, iter_block_hashes
 from .block_pool import BlockPool
+from .store_link import StoreLink
 from .kv_types import (
-    DuplicateSequenceError, KVCounters, NoFreeBlocksError, PoolSnapshot, UnknownSequenceError,
+    DuplicateSequenceError, GroupSnapshot, KVCounters, NoFreeBlocksError, PoolSnapshot,
+    UnknownSequenceError,
 )
 
 # Read-only int sequences (lists, tuples). Spelled abc.Sequence, never bare: in the engine
@@ -44,56 +61,101 @@ from .kv_types import (
 TokenIds = abc.Sequence[int]
 SeqIds = abc.Sequence[int]
 
+# A table entry a sliding window has released. The runner pads it like any unused entry; the
+# kernels skip blocks wholly before the window, so it is never read.
+NULL_BLOCK = -1
+
 
 @dataclass(slots=True)
 class _SequenceBlocks:
     """What the manager knows about one sequence."""
 
-    table: list[int]
-    num_tokens: int  # tokens covered by the table
-    chain_hash: int | None = None  # hash value of its last full block: the next block's parent
+    tables: list[list[int]]  # one block table per layer group
+    num_tokens: int  # tokens covered by each table
+    chain_hashes: list[int | None]  # per group: hash value of its last full block
     partial: list[int] = field(default_factory=list)  # tokens of the unfilled last block
+    released: list[int] = field(default_factory=list)  # per group: leading NULL_BLOCK entries
+
+    @property
+    def table(self) -> list[int]:
+        return self.tables[0]
+
+
+@dataclass(slots=True)
+class _PrefixHit:
+    blocks: int  # leading blocks served from the cache (the same in every group)
+    tables: list[list[int]]  # per group: its table for them (NULL_BLOCK outside a window)
+    chains: list[int | None]  # per group: hash value of the last of them (the next parent)
 
 
 class KVCacheManager:
     __slots__ = (
         "block_size", "num_blocks", "enable_prefix_caching", "hash_extra_key", "counters",
-        "_pool", "_seqs", "_pending_copies", "_logical_blocks", "_tokens_stored",
+        "group_windows", "num_groups", "_sliding", "_full",
+        "_pool", "_seqs", "_pending_copies", "_logical_blocks", "_tokens_stored", "store",
+        "_owner", "_group_used", "_window_released", "_released_entries",
     )
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_extra_key: object = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = default("enable_prefix_caching"),
+                 hash_extra_key: object = None, group_windows: abc.Sequence[int] = (0,)) -> None:
+        """group_windows: one entry per layer group, its sliding window in tokens (0 = full
+        attention). The default, one full group, is the classic single-table manager."""
         require_int("num_blocks", num_blocks)
         require_int("block_size", block_size)
         try:
             hash(hash_extra_key)
         except TypeError:
             raise TypeError(f"hash_extra_key must be hashable, got {hash_extra_key!r}") from None
+        windows = tuple(group_windows)
+        if not windows:
+            raise ValueError("group_windows must name at least one layer group")
+        for window in windows:
+            require_int("group window", window, 0)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.hash_extra_key = hash_extra_key
+        self.group_windows = windows
+        self.num_groups = len(windows)
+        self._sliding = [g for g, w in enumerate(windows) if w]
+        self._full = [g for g, w in enumerate(windows) if not w]
         self.counters = KVCounters()
         self._pool = BlockPool(num_blocks, self.counters)
         self._seqs: dict[int, _SequenceBlocks] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self._logical_blocks = 0
         self._tokens_stored = 0
+        self._owner = [0] * num_blocks  # the group a page belongs to while it is used or cached
+        self._group_used = [0] * len(windows)
+        self._window_released = [0] * len(windows)  # references dropped by each group's window
+        self._released_entries = [0] * len(windows)  # NULL_BLOCK entries in live tables
+        self.store: StoreLink | None = None  # the prefix store on disk (attach_store)
 
     # --- side-effect-free questions ---
     def num_cached_prefix_tokens(self, token_ids: TokenIds) -> int:
-        return len(self._prefix_hits(token_ids)) * self.block_size
+        hit = self._prefix_hits(token_ids)
+        return (hit.blocks + self._stored_blocks(token_ids, hit.blocks)) * self.block_size
+
+    def blocks_for_tokens(self, num_tokens: int, chunk: int = 1) -> int:
+        """Pages one sequence of num_tokens tokens holds at most when it runs alone, computing
+        at most `chunk` tokens per step: every block in a full group, the window (plus one
+        chunk) in a sliding group."""
+        return pages_for_tokens(self.group_windows, num_tokens, self.block_size, chunk)
 
     def can_admit(self, token_ids: TokenIds, num_new_tokens: int) -> bool:
         """Would `admit(token_ids)` then `append_slots` of `num_new_tokens` tokens (right after
         the cached prefix) succeed now? A hit on a cached free block uses up a free block."""
         require_int("num_new_tokens", num_new_tokens, 0)
-        hits = self._prefix_hits(token_ids)
-        covered = len(hits) * self.block_size + num_new_tokens
-        if self._blocks_spanned(max(len(token_ids), covered)) > self.num_blocks:
+        hit = self._prefix_hits(token_ids)
+        hit_blocks, hits = hit.blocks, hit.tables
+        stored = self._stored_blocks(token_ids, hit_blocks)  # each needs a fresh block
+        covered = (hit_blocks + stored) * self.block_size + num_new_tokens
+        if self.blocks_for_tokens(max(len(token_ids), covered), num_new_tokens) > self.num_blocks:
             return False
-        revived = sum(1 for block in hits if self._pool.ref_count(block) == 0)
-        new_blocks = self._blocks_spanned(covered) - len(hits)
+        revived = sum(1 for table in hits for block in table
+                      if block != NULL_BLOCK and self._pool.ref_count(block) == 0)
+        new_blocks = (self._blocks_spanned(covered) - hit_blocks) * self.num_groups
         return revived + new_blocks <= self._pool.num_free
 
     def can_append(self, seq_ids: SeqIds, num_tokens: int | abc.Sequence[int]) -> bool:
@@ -106,17 +168,25 @@ class KVCacheManager:
         return self._pool.num_free
 
     def blocks_to_append(self, seq_id: int, num_tokens: int) -> int:
+        """Net blocks the append takes from the free pool (negative when the window gives back
+        more than the append needs)."""
         require_int("num_tokens", num_tokens, 0)
         seq = self._get(seq_id)
         if num_tokens == 0:
             return 0
-        return self._new_blocks(seq, num_tokens) + self._needs_copy(seq)
+        needed = self._new_blocks(seq, num_tokens) * self.num_groups
+        for g in range(self.num_groups):
+            needed += self._needs_copy(seq, g)
+        if self._sliding:
+            needed -= self._releasable_free(seq)
+        return needed
 
     def blocks_freed_by(self, seq_ids: SeqIds) -> int:
         """Blocks whose every reference comes from these sequences (freed if they all went)."""
         holds: Counter[int] = Counter()
         for seq_id in set(seq_ids):
-            holds.update(self._get(seq_id).table)
+            for table in self._get(seq_id).tables:
+                holds.update(b for b in table if b != NULL_BLOCK)
         return sum(1 for block, count in holds.items() if count == self._pool.ref_count(block))
 
     # --- mutations ---
@@ -124,25 +194,35 @@ class KVCacheManager:
         """Register a sequence and take its prefix-cache hits (unless use_prefix_cache is False:
         every token is then computed again); returns the tokens served."""
         self._require_new(seq_id, "seq_id")
-        needed = self._blocks_spanned(len(token_ids))
+        needed = self.blocks_for_tokens(len(token_ids))
         if needed > self.num_blocks:
             raise NoFreeBlocksError(
                 f"a prompt of {len(token_ids)} tokens needs {needed} KV blocks of "
                 f"{self.block_size} tokens but the pool has only {self.num_blocks} blocks; "
                 "give the KV cache more memory or shorten the prompt",
                 needed=needed, available=self._pool.num_free, total=self.num_blocks)
-        hits = self._prefix_hits(token_ids) if use_prefix_cache else []
-        for block in hits:
-            if self._pool.ref_count(block) == 0:
-                self._tokens_stored += self.block_size  # a cached block comes back into use
-            self._pool.incref(block)
-        chain_hash = self._pool.block_hash(hits[-1]).value if hits else None
-        self._seqs[seq_id] = _SequenceBlocks(hits, len(hits) * self.block_size, chain_hash)
-        self._logical_blocks += len(hits)
+        hit = self._prefix_hits(token_ids) if use_prefix_cache else self._no_hit()
+        hit_blocks, hits, chains = hit.blocks, hit.tables, hit.chains
+        for g, table in enumerate(hits):
+            for block in table:
+                if block != NULL_BLOCK:
+                    self._take_cached(block, g)
+        memory_hits = hit_blocks
+        if use_prefix_cache and self.store is not None:  # one group only (attach_store)
+            loaded = self._load_stored_blocks(token_ids, hits[0], chains[0])
+            hits[0].extend(loaded)
+            if loaded:
+                chains[0] = self._pool.block_hash(loaded[-1]).value
+            hit_blocks += len(loaded)
+        released = [table.count(NULL_BLOCK) for table in hits]
+        self._seqs[seq_id] = _SequenceBlocks(hits, hit_blocks * self.block_size, chains, [],
+                                             released)
+        self._logical_blocks += sum(len(t) - r for t, r in zip(hits, released))
+        self._count_released(released, 1)
         if self.enable_prefix_caching:
             self.counters.prefix_query_tokens += len(token_ids)
-            self.counters.prefix_hit_tokens += len(hits) * self.block_size
-        return len(hits) * self.block_size
+            self.counters.prefix_hit_tokens += memory_hits * self.block_size
+        return hit_blocks * self.block_size
 
     def append_slots(self, seq_id: int, token_ids: TokenIds) -> None:
         """Reserve slots for the tokens computed this step (see contract); atomic on error."""
@@ -152,20 +232,26 @@ class KVCacheManager:
         count = len(token_ids)
         if count == 0:
             return
-        needs_copy = self._needs_copy(seq)
+        copies = [g for g in range(self.num_groups) if self._needs_copy(seq, g)]
         new_blocks = self._new_blocks(seq, count)
-        if needs_copy or new_blocks:
-            self._require_free(new_blocks + needs_copy, seq_id)
+        needed = new_blocks * self.num_groups + len(copies)
+        if needed:
+            freed = self._releasable_free(seq) if self._sliding else 0
+            self._require_free(needed - freed, seq_id)
         # Check and hash the tokens before mutating: the only step left that can raise.
         if self.enable_prefix_caching:
             token_ids = as_token_ids(token_ids)
-            completed = self._completed_block_hashes(seq, token_ids)
-        if needs_copy:
-            self._copy_on_write(seq)
+            completed = [self._completed_block_hashes(seq, token_ids, g)
+                         for g in range(self.num_groups)]
+        if self._sliding:
+            self._release_outside_windows(seq)
+        for g in copies:
+            self._copy_on_write(seq, g)
         if new_blocks:
-            seq.table.extend([self._pool.allocate() for _ in range(new_blocks)])
-            self._logical_blocks += new_blocks
-        self._tokens_stored += count
+            for g, table in enumerate(seq.tables):
+                table.extend([self._allocate(g) for _ in range(new_blocks)])
+            self._logical_blocks += new_blocks * self.num_groups
+        self._tokens_stored += count * self.num_groups
         if self.enable_prefix_caching:
             self._register_hashes(seq, token_ids, completed)
         seq.num_tokens += count
@@ -173,21 +259,25 @@ class KVCacheManager:
     def fork(self, parent_id: int, child_id: int) -> None:
         parent = self._get(parent_id)
         self._require_new(child_id, "child_id")
-        for block in parent.table:
-            self._pool.incref(block)
+        for table in parent.tables:
+            for block in table:
+                if block != NULL_BLOCK:
+                    self._pool.incref(block)
         self._seqs[child_id] = _SequenceBlocks(
-            list(parent.table), parent.num_tokens, parent.chain_hash, list(parent.partial))
-        self._logical_blocks += len(parent.table)
+            [list(t) for t in parent.tables], parent.num_tokens, list(parent.chain_hashes),
+            list(parent.partial), list(parent.released))
+        self._logical_blocks += sum(len(t) - r for t, r in zip(parent.tables, parent.released))
+        self._count_released(parent.released, 1)
 
     def free(self, seq_id: int) -> None:
         seq = self._get(seq_id)
         del self._seqs[seq_id]
-        table = seq.table
-        self._logical_blocks -= len(table)
-        # Tail first: freed hashed blocks queue up in this order, so the tail is evicted first.
-        for index in range(len(table) - 1, -1, -1):
-            if self._pool.decref(table[index]):
-                self._tokens_stored -= self._block_fill(seq, index)
+        self._count_released(seq.released, -1)
+        for g, table in enumerate(seq.tables):
+            self._logical_blocks -= len(table) - seq.released[g]
+            # Tail first: freed hashed blocks queue up in this order, so the tail is evicted first.
+            for index in range(len(table) - 1, seq.released[g] - 1, -1):
+                self._drop(table[index], g, self._block_fill(seq, index))
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) pairs recorded since the last call, in the order to apply."""
@@ -195,30 +285,47 @@ class KVCacheManager:
         return copies
 
     # --- reading ---
-    def block_table(self, seq_id: int) -> list[int]:
-        return list(self._get(seq_id).table)
+    def block_table(self, seq_id: int, group: int = 0) -> list[int]:
+        return list(self._get(seq_id).tables[group])
+
+    def group_block_tables(self, seq_id: int) -> list[list[int]]:
+        """The sequence's table in every group (NULL_BLOCK where a window released a block)."""
+        return [list(t) for t in self._get(seq_id).tables]
 
     def num_tokens(self, seq_id: int) -> int:
         return self._get(seq_id).num_tokens
 
-    def slot(self, seq_id: int, token_index: int) -> int:
+    def slot(self, seq_id: int, token_index: int, group: int = 0) -> int:
         seq = self._get(seq_id)
         if not (isinstance(token_index, int) and 0 <= token_index < seq.num_tokens):
             raise IndexError(
                 f"token_index must be in [0, {seq.num_tokens}) for sequence {seq_id}, "
                 f"got {token_index!r}")
         block_index, offset = divmod(token_index, self.block_size)
-        return seq.table[block_index] * self.block_size + offset
+        block = seq.tables[group][block_index]
+        if block == NULL_BLOCK:
+            raise IndexError(f"token {token_index} of sequence {seq_id} left group {group}'s "
+                             "window; its block was released")
+        return block * self.block_size + offset
 
     def snapshot(self) -> PoolSnapshot:
         pool = self._pool
+        groups = () if self.num_groups == 1 else tuple(
+            GroupSnapshot(*row) for row in zip(self.group_windows, self._group_used,
+                                               self._window_released, self._released_entries))
         return PoolSnapshot(
             num_blocks=self.num_blocks, blocks_used=pool.num_used, blocks_free=pool.num_free,
             blocks_cached_free=pool.num_cached_free, blocks_shared=pool.num_shared,
-            logical_blocks=self._logical_blocks, tokens_stored=self._tokens_stored)
+            logical_blocks=self._logical_blocks, tokens_stored=self._tokens_stored,
+            groups=groups)
 
     def block_tables(self) -> dict[int, list[int]]:
-        return {seq_id: list(seq.table) for seq_id, seq in self._seqs.items()}
+        """Per sequence, the pages it holds: its table, or with several groups every group's
+        entries that are present, group by group."""
+        if self.num_groups == 1:
+            return {seq_id: list(seq.table) for seq_id, seq in self._seqs.items()}
+        return {seq_id: [b for t in seq.tables for b in t if b != NULL_BLOCK]
+                for seq_id, seq in self._seqs.items()}
 
     def ref_count(self, block_id: int) -> int:
         return self._pool.ref_count(block_id)
@@ -236,32 +343,147 @@ class KVCacheManager:
         return self._pool.cached_free_blocks()
 
     def check_integrity(self) -> None:
-        """Recount everything from the tables; raises AssertionError naming what is wrong."""
+        """Recount everything from the tables, every group; raises AssertionError naming what
+        is wrong. With the pool's own check this is free + cached + used == total per group."""
         self._pool.check_integrity()
         fills: dict[int, int] = {}
+        holds: Counter[int] = Counter()
+        owners: dict[int, int] = {}
         for seq_id, seq in self._seqs.items():
             self._check_sequence(seq_id, seq, fills)
-        holds = Counter(block for seq in self._seqs.values() for block in seq.table)
+            for g, table in enumerate(seq.tables):
+                for block in table[seq.released[g]:]:
+                    holds[block] += 1
+                    assert owners.setdefault(block, g) == g, \
+                        f"block {block} sits in the tables of two groups"
         for block in range(self.num_blocks):
             ref = self._pool.ref_count(block)
             assert ref == holds[block], f"block {block}: ref count {ref} but {holds[block]} " \
                 "table entries"
+        for block, g in owners.items():
+            assert self._owner[block] == g, f"block {block} is used by group {g} but owned by " \
+                f"group {self._owner[block]}"
+        released = [sum(seq.released[g] for seq in self._seqs.values())
+                    for g in range(self.num_groups)]
+        assert released == self._released_entries, "released-entry counts differ from the tables"
+        used = Counter(owners.values())
+        for g in range(self.num_groups):
+            assert self._group_used[g] == used[g], \
+                f"group {g}: {self._group_used[g]} used blocks counted, {used[g]} in its tables"
         entries = sum(holds.values())
         assert self._logical_blocks == entries, f"logical_blocks {self._logical_blocks} != {entries}"
         assert self._tokens_stored == sum(fills.values()), \
             f"tokens_stored {self._tokens_stored} != recount {sum(fills.values())}"
         assert self._pool.num_used == len(holds), "used block count differs from the tables"
 
+    # --- the prefix store on disk (store_link.py) ---
+    def attach_store(self, link: StoreLink) -> None:
+        """One layer group only: a stored block is every layer's K/V of its tokens, whereas a
+        hybrid pool's page holds one group's layers (docs/prefix_store.md)."""
+        if not self.enable_prefix_caching:
+            raise ValueError("prefix_store needs prefix caching on (enable_prefix_caching=True)")
+        if self.num_groups != 1:
+            raise ValueError("prefix_store does not yet serve models with sliding-window layer "
+                             "groups (a hybrid KV pool); run this model without it")
+        self.store = link
+
+    def _stored_blocks(self, token_ids: TokenIds, hit_blocks: int) -> int:
+        """Full blocks after the memory hits that the store holds (the last token computed)."""
+        if self.store is None or len(token_ids) < 2:
+            return 0
+        return self.store.probe(token_ids, hit_blocks, (len(token_ids) - 1) // self.block_size)
+
+    def _load_stored_blocks(self, token_ids: TokenIds, hits: list[int],
+                            parent: int | None) -> list[int]:
+        """Fresh blocks, hashed like computed ones, for the stored blocks after the memory hits
+        that read back whole; the runner copies their bytes in before the step."""
+        count = self._stored_blocks(token_ids, len(hits))
+        if count == 0:
+            return []
+        found = self.store.read(token_ids, len(hits), count)
+        tail = token_ids[len(hits) * self.block_size:]
+        hashes = iter_block_hashes(tail, self.block_size, len(found), self._group_key(0), parent)
+        blocks = []
+        for (key, payload), block_hash in zip(found, hashes):
+            block = self._allocate(0)
+            self._pool.register_hash(block, block_hash)
+            self.store.loaded(block, key, payload)
+            blocks.append(block)
+        self._tokens_stored += len(blocks) * self.block_size
+        return blocks
+
     # --- internals ---
     def _blocks_spanned(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def _new_blocks(self, seq: _SequenceBlocks, num_tokens: int) -> int:
-        return -(-(seq.num_tokens + num_tokens) // self.block_size) - len(seq.table)
+        """New blocks per group (all groups' tables have the same length)."""
+        return -(-(seq.num_tokens + num_tokens) // self.block_size) - len(seq.tables[0])
 
-    def _needs_copy(self, seq: _SequenceBlocks) -> bool:
-        """Is the last block partial and shared, so that writing into it needs a copy?"""
-        return seq.num_tokens % self.block_size != 0 and self._pool.is_shared(seq.table[-1])
+    def _needs_copy(self, seq: _SequenceBlocks, group: int = 0) -> bool:
+        """Is the group's last block partial and shared, so that writing into it needs a copy?"""
+        return seq.num_tokens % self.block_size != 0 and \
+            self._pool.is_shared(seq.tables[group][-1])
+
+    def _group_key(self, group: int) -> object:
+        """The extra key of the group's hash chain. Group 0 keeps the plain one, so a
+        single-group manager hashes exactly as a manager without groups."""
+        return self.hash_extra_key if group == 0 else (self.hash_extra_key, "group", group)
+
+    def _window_start(self, group: int, position: int) -> int:
+        """Index of the first block a query at `position` (or later) reads in this group."""
+        window = self.group_windows[group]
+        if not window:
+            return 0
+        return max(0, position - window + 1) // self.block_size
+
+    def _releasable(self, seq: _SequenceBlocks, group: int) -> range:
+        """Table indices the group's window has left, once the sequence appends again."""
+        return range(seq.released[group], self._window_start(group, seq.num_tokens))
+
+    def _releasable_free(self, seq: _SequenceBlocks) -> int:
+        """Blocks the next append's window release returns to the free pool (last holder)."""
+        return sum(1 for g in self._sliding for i in self._releasable(seq, g)
+                   if self._pool.ref_count(seq.tables[g][i]) == 1)
+
+    def _release_outside_windows(self, seq: _SequenceBlocks) -> None:
+        for g in self._sliding:
+            span = self._releasable(seq, g)
+            if not span:
+                continue
+            table = seq.tables[g]
+            # Oldest first, so a chain's head queues (and is evicted) before its tail.
+            for index in span:
+                self._drop(table[index], g, self.block_size)
+                table[index] = NULL_BLOCK
+            seq.released[g] = span.stop
+            self._logical_blocks -= len(span)
+            self._window_released[g] += len(span)
+            self._released_entries[g] += len(span)
+            self.counters.window_released += len(span)
+
+    def _count_released(self, released: list[int], sign: int) -> None:
+        if self._sliding:
+            for g in self._sliding:
+                self._released_entries[g] += sign * released[g]
+
+    def _allocate(self, group: int) -> int:
+        block = self._pool.allocate()
+        self._owner[block] = group
+        self._group_used[group] += 1
+        return block
+
+    def _take_cached(self, block: int, group: int) -> None:
+        """One more reference to a prefix-hit block (reviving it when it was cached free)."""
+        if self._pool.ref_count(block) == 0:
+            self._tokens_stored += self.block_size  # a cached block comes back into use
+            self._group_used[group] += 1
+        self._pool.incref(block)
+
+    def _drop(self, block: int, group: int, fill: int) -> None:
+        if self._pool.decref(block):
+            self._tokens_stored -= fill
+            self._group_used[group] -= 1
 
     def _blocks_for_group(self, seq_ids: SeqIds, num_tokens: int | abc.Sequence[int]) -> int:
         counts = _per_sequence_counts(seq_ids, num_tokens)
@@ -269,58 +491,107 @@ class KVCacheManager:
         for seq_id, count in zip(seq_ids, counts):
             seq = self._get(seq_id)
             if count:
-                total += self._new_blocks(seq, count)
-                if self._needs_copy(seq):
-                    writers[seq.table[-1]] += 1
+                total += self._new_blocks(seq, count) * self.num_groups
+                if self._sliding:
+                    total -= self._releasable_free(seq)
+                for g, table in enumerate(seq.tables):
+                    if self._needs_copy(seq, g):
+                        writers[table[-1]] += 1
         # k writers into a partial block with ref r copy min(k, r - 1) times: when all holders
         # write, the last one finds ref 1 and writes in place.
         return total + sum(min(k, self._pool.ref_count(b) - 1) for b, k in writers.items())
 
-    def _copy_on_write(self, seq: _SequenceBlocks) -> None:
-        source = seq.table[-1]
-        target = self._pool.allocate()
+    def _copy_on_write(self, seq: _SequenceBlocks, group: int) -> None:
+        table = seq.tables[group]
+        source = table[-1]
+        target = self._allocate(group)
         self._pool.decref(source)  # still held by the other branches (ref was > 1)
-        seq.table[-1] = target
-        self._tokens_stored += self._block_fill(seq, len(seq.table) - 1)
+        table[-1] = target
+        self._tokens_stored += self._block_fill(seq, len(table) - 1)
         self._pending_copies.append((source, target))
         self.counters.cow_copies += 1
 
-    def _completed_block_hashes(self, seq: _SequenceBlocks,
-                                token_ids: tuple[int, ...]) -> list[BlockHash]:
-        """Hashes of the blocks these tokens fill up."""
+    def _completed_block_hashes(self, seq: _SequenceBlocks, token_ids: tuple[int, ...],
+                                group: int) -> list[BlockHash]:
+        """Hashes of the blocks these tokens fill up, in the group's chain."""
         filled = len(seq.partial) + len(token_ids)
         if filled < self.block_size:
             return []
         pending = seq.partial + list(token_ids)
         return list(iter_block_hashes(pending, self.block_size, filled // self.block_size,
-                                      self.hash_extra_key, seq.chain_hash))
+                                      self._group_key(group), seq.chain_hashes[group]))
 
     def _register_hashes(self, seq: _SequenceBlocks, token_ids: tuple[int, ...],
-                         completed: list[BlockHash]) -> None:
+                         completed: list[list[BlockHash]]) -> None:
         first = seq.num_tokens // self.block_size
-        for offset, block_hash in enumerate(completed):
-            self._pool.register_hash(seq.table[first + offset], block_hash)
-        if completed:
+        for g, hashes in enumerate(completed):
+            table = seq.tables[g]
+            for offset, block_hash in enumerate(hashes):
+                # A chunk longer than the window filled blocks it will release next step; they
+                # are hashed all the same (a later prompt may hit them while they stay cached).
+                self._pool.register_hash(table[first + offset], block_hash)
+            if hashes:
+                seq.chain_hashes[g] = hashes[-1].value
+        if completed[0] and self.store is not None:
+            self.store.filled(seq.tables[0], first, [h.token_ids for h in completed[0]])
+        if completed[0]:
             # The new partial block holds only tokens of this call (a block was completed).
             remainder = (seq.num_tokens + len(token_ids)) % self.block_size
-            seq.chain_hash = completed[-1].value
             seq.partial = list(token_ids[len(token_ids) - remainder:])
         else:
             seq.partial.extend(token_ids)
 
-    def _prefix_hits(self, token_ids: TokenIds) -> list[int]:
-        """Blocks serving the longest verified cached prefix, leaving the last token computed."""
+    def _no_hit(self) -> _PrefixHit:
+        return _PrefixHit(0, [[] for _ in self.group_windows], [None] * self.num_groups)
+
+    def _prefix_hits(self, token_ids: TokenIds) -> _PrefixHit:
+        """The longest verified cached prefix, leaving the last token computed, and each
+        group's entries for it. A full group needs all its blocks; a sliding group only those
+        its window reads from the hit's end on (NULL_BLOCK before them)."""
         if not self.enable_prefix_caching or len(token_ids) < 2:
-            return []
+            return self._no_hit()
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hits = []
+        found: list[list[int | None]] = [[] for _ in self.group_windows]
+        values: list[list[int]] = [[] for _ in self.group_windows]
+        for g in self._full:
+            self._lookup_chain(token_ids, max_blocks, g, found[g], values[g], stop_at_miss=True)
+            max_blocks = min(max_blocks, len(found[g]))
+        for g in self._sliding:
+            self._lookup_chain(token_ids, max_blocks, g, found[g], values[g], stop_at_miss=False)
+        hit = self._longest_hit(found, max_blocks)
+        tables = []
+        for g in range(self.num_groups):
+            start = self._window_start(g, hit * self.block_size)
+            tables.append([NULL_BLOCK] * start + list(found[g][start:hit]))
+        # The chain continues from the hash *value* of the hit's last block, which a sliding
+        # group may not hold (a window shorter than a block reads none of it).
+        chains = [values[g][hit - 1] if hit else None for g in range(self.num_groups)]
+        return _PrefixHit(hit, tables, chains)
+
+    def _lookup_chain(self, token_ids: TokenIds, max_blocks: int, group: int,
+                      blocks: list[int | None], values: list[int], stop_at_miss: bool) -> None:
         for block_hash in iter_block_hashes(token_ids, self.block_size, max_blocks,
-                                            self.hash_extra_key):
+                                            self._group_key(group)):
             block = self._pool.lookup(block_hash)
-            if block is None:
+            if block is None and stop_at_miss:
                 break
-            hits.append(block)
-        return hits
+            blocks.append(block)
+            values.append(block_hash.value)
+
+    def _longest_hit(self, found: list[list[int | None]], max_blocks: int) -> int:
+        """Largest h <= max_blocks at which every sliding group has its window's blocks."""
+        runs = []  # per sliding group: length of the run of cached blocks ending at each index
+        for g in self._sliding:
+            run, length = [], 0
+            for block in found[g]:
+                length = length + 1 if block is not None else 0
+                run.append(length)
+            runs.append((g, run))
+        for hit in range(max_blocks, 0, -1):
+            if all(hit - self._window_start(g, hit * self.block_size) <= run[hit - 1]
+                   for g, run in runs):
+                return hit
+        return 0
 
     def _block_fill(self, seq: _SequenceBlocks, index: int) -> int:
         return min(self.block_size, seq.num_tokens - index * self.block_size)
@@ -348,17 +619,25 @@ class KVCacheManager:
 
     def _check_sequence(self, seq_id: int, seq: _SequenceBlocks, fills: dict[int, int]) -> None:
         expected = self._blocks_spanned(seq.num_tokens)
-        assert len(seq.table) == expected, f"sequence {seq_id} covers {seq.num_tokens} tokens " \
-            f"with {len(seq.table)} blocks, expected {expected}"
         if self.enable_prefix_caching:
             assert len(seq.partial) == seq.num_tokens % self.block_size, \
                 f"sequence {seq_id}: partial-block tokens out of step"
-        for index, block in enumerate(seq.table):
-            fill = self._block_fill(seq, index)
-            assert fills.setdefault(block, fill) == fill, \
-                f"block {block} is shared by tables that disagree on its fill"
-            if self._pool.block_hash(block) is not None:
-                assert fill == self.block_size, f"partial block {block} carries a hash"
+        for g, table in enumerate(seq.tables):
+            assert len(table) == expected, f"sequence {seq_id} covers {seq.num_tokens} tokens " \
+                f"with {len(table)} blocks in group {g}, expected {expected}"
+            released = seq.released[g]
+            assert table[:released] == [NULL_BLOCK] * released and \
+                NULL_BLOCK not in table[released:], \
+                f"sequence {seq_id}, group {g}: released entries are not a leading run"
+            # Released only what no query from the next position on reads.
+            assert released <= self._window_start(g, seq.num_tokens), \
+                f"sequence {seq_id}, group {g}: released a block its window still reads"
+            for index in range(released, len(table)):
+                block, fill = table[index], self._block_fill(seq, index)
+                assert fills.setdefault(block, fill) == fill, \
+                    f"block {block} is shared by tables that disagree on its fill"
+                if self._pool.block_hash(block) is not None:
+                    assert fill == self.block_size, f"partial block {block} carries a hash"
 
 
 def _per_sequence_counts(seq_ids: SeqIds, num_tokens: int | abc.Sequence[int]) -> list[int]:

@@ -12,6 +12,17 @@ from dataclasses import dataclass
 
 
 @dataclass(slots=True)
+class GroupSnapshot:
+    """One layer group of a hybrid pool (pages belong to one group at a time)."""
+
+    window: int  # its sliding window in tokens; 0 = full attention
+    blocks_used: int  # pages with ref count > 0 in this group's tables
+    window_released: int  # cumulative references its window gave back (0 for a full group)
+    released_entries: int  # table entries its window has released, now (what full attention
+    #                        would still hold, a shared block once per table)
+
+
+@dataclass(slots=True)
 class PoolSnapshot:
     """The pool at one moment. Every field is kept incrementally, so taking one is O(1).
 
@@ -26,6 +37,7 @@ class PoolSnapshot:
     blocks_shared: int  # ref count > 1
     logical_blocks: int  # sum of all block-table lengths (what unshared storage would need)
     tokens_stored: int  # filled slots of used blocks; a shared block counts once
+    groups: tuple[GroupSnapshot, ...] = ()  # per layer group; empty for a single-group pool
 
 
 @dataclass(slots=True)
@@ -38,6 +50,7 @@ class KVCounters:
     prefix_query_tokens: int = 0  # prompt tokens looked up at admit (prefix caching on)
     prefix_hit_tokens: int = 0  # of those, tokens served from cached blocks
     evictions: int = 0  # cached free blocks whose hash was dropped to reuse the block
+    window_released: int = 0  # block references sliding windows gave back
 
 
 class KVCacheError(Exception):

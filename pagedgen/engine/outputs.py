@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -41,6 +42,25 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
+class RequestFailedError(IndexError):
+    """Raised by `outputs[i]` of a request that could not be served: the reason, not a bare
+    IndexError. An IndexError still, so code that caught the old one keeps working."""
+
+
+class FailedOutputs(list):
+    """The `outputs` of a failed request: empty to iterate and len(), but indexing raises the
+    request's error, so `out.outputs[0].text` can never pass for an empty success."""
+
+    def __init__(self, items: Any = (), error: str = "the request failed") -> None:
+        super().__init__(items)
+        self.error = error
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return super().__getitem__(index)
+        raise RequestFailedError(f"{self.error} (RequestOutput.error; this request has no outputs)")
+
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -53,6 +73,10 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     # SamplingParams.prompt_logprobs: None for the first prompt token, then {token: Logprob}.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.error and not self.outputs:
+            self.outputs = FailedOutputs(error=self.error)
 
     def to_dict(self) -> dict:
         """Plain JSON-ready data (Logprob entries keyed by str(token id), as JSON requires)."""

@@ -102,7 +102,7 @@ def _structured_outputs(value: Any) -> Any:
     try:
         StructuredOutputsParams.from_dict(value)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"is invalid: {exc}") from None
+        raise ValueShownError(f"is invalid: {exc}") from None   # its message shows the value
     return value
 
 
@@ -148,12 +148,18 @@ BEAM_SEARCH_RULES: dict[str, Rule] = {
 REQUEST_RULES: dict[str, Rule] = {**SAMPLING_RULES, **BEAM_SEARCH_RULES}
 
 
+class ValueShownError(ValueError):
+    """A rule's failure whose message already shows the value (no second ", got ...")."""
+
+
 class SamplingFieldError(ValueError):
     """A sampling field broke its rule; `label` is how the caller names fields."""
 
-    def __init__(self, name: str, requirement: str, value: Any, label: str = "'{}'"):
+    def __init__(self, name: str, requirement: str, value: Any, label: str = "'{}'",
+                 value_shown: bool = False):
         self.name, self.requirement = name, requirement
-        super().__init__(f"{label.format(name)} {requirement}, got {brief(value)}")
+        got = "" if value_shown else f", got {brief(value)}"
+        super().__init__(f"{label.format(name)} {requirement}{got}")
 
 
 def check_field(name: str, value: Any, label: str = "'{}'") -> Any:
@@ -161,7 +167,8 @@ def check_field(name: str, value: Any, label: str = "'{}'") -> Any:
     try:
         return REQUEST_RULES[name](value)
     except ValueError as exc:
-        raise SamplingFieldError(name, str(exc), value, label) from None
+        raise SamplingFieldError(name, str(exc), value, label,
+                                 isinstance(exc, ValueShownError)) from None
 
 
 def check_combination(values: dict[str, Any], label: str = "'{}'") -> None:

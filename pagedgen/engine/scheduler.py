@@ -23,9 +23,10 @@ others (`_unstick`).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedgen.engine.engine_config import check_step_budget
+from pagedgen.settings import check_step_budget
 from pagedgen.engine.kv_manager import KVCacheManager
 from pagedgen.engine.sequence import Sequence, SequenceGroup, SeqStatus
 from pagedgen.model.runtime.batch import ScheduledChunk
@@ -210,10 +211,14 @@ class Scheduler:
         end = start + num_tokens
         token_ids = seq.token_ids[start:end]
         self.kv.append_slots(seq.seq_id, token_ids)
+        group_tables = (self.kv.group_block_tables(seq.seq_id) if self.kv.num_groups > 1
+                        else None)
         chunk = ScheduledChunk(
             token_ids=token_ids, start_pos=start,
-            block_table=self.kv.block_table(seq.seq_id), sample=end == len(seq.token_ids),
-            prompt_logprobs=_scores_next_prompt_position(seq, start, end))
+            block_table=group_tables[0] if group_tables else self.kv.block_table(seq.seq_id),
+            sample=end == len(seq.token_ids),
+            prompt_logprobs=_scores_next_prompt_position(seq, start, end),
+            group_tables=group_tables)
         self._count(seq, start, end)
         seq.num_computed = end   # advanced now: the runner computes exactly these tokens
         state.scheduled[seq.seq_id] = len(state.output.chunks)
@@ -282,7 +287,8 @@ def _scores_next_prompt_position(seq: Sequence, start: int, end: int) -> bool:
 
 
 def rejection_reason(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int,
-                     block_size: int, num_blocks: int, vocab_size: int | None) -> str | None:
+                     block_size: int, num_blocks: int, vocab_size: int | None,
+                     blocks_for_tokens: Callable[[int], int] | None = None) -> str | None:
     """Why a request can never be served (None when it can); the text says what to change.
 
     Checked once, before queueing: everything admitted can then complete, if need be after
@@ -300,7 +306,9 @@ def rejection_reason(prompt_token_ids: list[int], params: SamplingParams, max_mo
                 f"{vocab_size} tokens")
     max_tokens = min(params.max_tokens, max_model_len - n)
     # The last generated token is returned but never stored, hence the - 1.
-    needed = -(-(n + max_tokens - 1) // block_size)
+    stored = n + max_tokens - 1
+    # A hybrid pool: the blocks every group holds at most (a sliding one only its window's).
+    needed = blocks_for_tokens(stored) if blocks_for_tokens else -(-stored // block_size)
     if needed > num_blocks:
         return (f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks of "
                 f"{block_size} tokens but the pool has only {num_blocks}; raise --kv-memory or "

@@ -97,6 +97,7 @@ class GrammarBackend:
             raise _invalid(spec, str(exc)) from None
         if matcher.is_error():   # a bad schema shows here
             raise _invalid(spec, matcher.get_error())
+        _check_can_start(spec, matcher)
         return matcher
 
     @staticmethod
@@ -135,6 +136,23 @@ def _grammar_text(llg: Any, spec: StructuredOutputsParams) -> str:
         raise
     except Exception as exc:
         raise _invalid(spec, str(exc)) from None
+
+
+def _check_can_start(spec: StructuredOutputsParams, matcher: Any) -> None:
+    """A grammar with no first token (a schema that is only a reference to itself,
+    {"$ref": "#"}) is refused here, as an invalid request, rather than run: run, its first mask
+    allows nothing, the sample ends at once, and an empty text would be reported as a finished
+    success. An error record says what is wrong before any compute is spent, where a
+    "length" finish would blame the token limit. (A grammar that can start but never end,
+    such as a required property that nests the schema in itself, is not decidable this cheaply:
+    it runs to max_tokens and finishes with "length", which is then true.)"""
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    if probe.is_error():
+        raise InvalidConstraintError(
+            f"invalid structured_outputs.{spec.kind}: no output can ever satisfy it (the "
+            "grammar has no first token, e.g. a schema that is only a reference to itself, "
+            f'{{"$ref": "#"}}); library says: {_first_lines(probe.get_error(), 80)}')
 
 
 def _invalid(spec: StructuredOutputsParams, message: str) -> InvalidConstraintError:

@@ -95,6 +95,8 @@ def build_pool_map(report: dict[str, Any], step: int | None = None) -> PoolMap:
     for seq in tables["sequences"]:
         owner = seq["request_id"] if seq["request_id"] is not None else f"seq {seq['seq_id']}"
         for block, ref in zip(seq["block_table"], seq["ref_counts"]):
+            if block < 0:  # a sliding window released it: the entry holds no block
+                continue
             owners[block].append(owner)
             refs[block] = ref
     cached = tables["cached_free_blocks"]
@@ -131,7 +133,8 @@ def kv_layout(report: dict[str, Any]) -> dict[str, int]:
 
 def token_address(report: dict[str, Any], request_id: str, token_index: int,
                   sample_index: int = 0, step: int | None = None) -> TokenAddress:
-    """Where token `token_index` of a request sits: [L, 2, N, B, H_kv, D] (contracts §1)."""
+    """Where token `token_index` of a request sits: [L, 2, N, B, H_kv, D] (contracts §1); in a
+    hybrid pool, in the first (full-attention) group's page: [G, 2, N, B, H_kv, D]."""
     tables = recorded_tables(report, step)
     seq = find_sequence(tables, request_id, sample_index)
     pool, layout = report["pool"], kv_layout(report)
@@ -142,6 +145,9 @@ def token_address(report: dict[str, Any], request_id: str, token_index: int,
                          f"{covered} cached tokens at step {tables['step']}")
     logical, offset = divmod(token_index, block_size)
     physical = seq["block_table"][logical]
+    if physical < 0:
+        raise ValueError(f"token {token_index} of request {request_id!r} left its sliding window "
+                         f"before step {tables['step']}: its block was given back to the pool")
     token_bytes = layout["num_kv_heads"] * layout["head_dim"] * layout["dtype_bytes"]
 
     def byte_offset(layer: int, k_or_v: int) -> int:

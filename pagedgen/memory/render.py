@@ -57,7 +57,7 @@ def _kv_cache_dtype(pool: dict[str, Any]) -> str:
 
 
 def peak_table(pool: dict[str, Any], s: dict[str, Any]) -> Table:
-    return _kv_table("Peak and utilization", [
+    rows = [
         ("peak step", str(s["peak_step"])),
         ("peak blocks used", f"{s['peak_blocks_used']:,} of {pool['num_blocks']:,} "
                              f"({pct(s['peak_blocks_used'] / pool['num_blocks'])})"),
@@ -66,10 +66,13 @@ def peak_table(pool: dict[str, Any], s: dict[str, Any]) -> Table:
         ("KV utilization, mean over steps", pct(s["kv_utilization_mean"])),
         ("internal fragmentation at peak", f"{pct(s['internal_fragmentation_at_peak'])} "
                                            f"({s['internal_fragmentation_slots_at_peak']:,} slots)"),
-        ("logical / physical blocks at peak", f"{s['logical_blocks_at_peak']:,} / {s['peak_blocks_used']:,}"),
-        ("shared blocks at peak", f"{s['shared_blocks_at_peak']:,}"),
-        ("peak concurrent sequences", str(s["peak_concurrent_sequences"])),
-    ])
+    ]
+    if s["shared_blocks_at_peak"]:  # sharing rows only when something was shared
+        rows += [("logical / physical blocks at peak",
+                  f"{s['logical_blocks_at_peak']:,} / {s['peak_blocks_used']:,}"),
+                 ("shared blocks at peak", f"{s['shared_blocks_at_peak']:,}")]
+    rows.append(("peak concurrent sequences", str(s["peak_concurrent_sequences"])))
+    return _kv_table("Peak and utilization", rows)
 
 
 def savings_table(cf: dict[str, Any]) -> Table:
@@ -81,11 +84,18 @@ def savings_table(cf: dict[str, Any]) -> Table:
     paging = cf["paging"]
     table.add_row("paged (this run)", human_bytes(paging["peak_bytes"]), pct(paging["used_fraction"]),
                   "-", "-", str(paging["effective_batch_capacity"]), style="bold green")
+    notes = []
     for policy, label in POLICY_LABELS.items():
         p = cf[policy]
+        mark = ""
+        if "why_negative" in p:
+            notes.append(f"{label}: paging saved less than nothing: {p['why_negative']}")
+            mark = " *"
         table.add_row(label, human_bytes(p["peak_bytes"]), pct(p["used_fraction"]),
-                      human_bytes(p["paging_saved_bytes"]), pct(p["paging_saved_fraction"]),
-                      str(p["effective_batch_capacity"]))
+                      human_bytes(p["paging_saved_bytes"]) + mark,
+                      pct(p["paging_saved_fraction"]), str(p["effective_batch_capacity"]))
+    if notes:
+        table.caption = SAVINGS_CAPTION + "\n" + "\n".join(f"* {n}" for n in notes)
     return table
 
 
@@ -111,7 +121,7 @@ def events_table(s: dict[str, Any]) -> Table:
 
 def sharing_table(s: dict[str, Any], cf: dict[str, Any]) -> Table:
     unshared = cf["no_sharing"]
-    return _kv_table("Block sharing (n > 1 samples, beams, tree nodes)", [
+    return _kv_table("Block sharing (prefix-cache hits, n > 1 samples, beams, tree nodes)", [
         ("shared blocks at peak", f"{s['shared_blocks_at_peak']:,}"),
         ("copy-on-write block copies", f"{s['cow_copies']:,}"),
         ("no sharing (each branch holds its whole prefix)",
@@ -122,13 +132,41 @@ def sharing_table(s: dict[str, Any], cf: dict[str, Any]) -> Table:
     ])
 
 
+def groups_table(section: dict[str, Any]) -> Table:
+    """A hybrid pool: each layer group's pages at the peak, what its window gave back, and the
+    pool had every layer kept every token."""
+    rows = []
+    for g in section["groups"]:
+        kind = f"window {g['window']:,}" if g["window"] else "full attention"
+        rows.append((f"group {g['group']} ({kind}, {g['layers']} layers, "
+                     f"{g['bytes_per_token']:,} B/token)",
+                     f"{g['blocks_used_at_peak']:,} blocks at peak "
+                     f"({human_bytes(g['bytes_at_peak'])}), "
+                     f"{g['blocks_released_by_window']:,} freed by the window"))
+    full = section["full_attention"]
+    rows.append(("every layer full attention", f"{human_bytes(full['peak_bytes'])} at peak "
+                 f"({full['bytes_per_token']:,} B/token); this pool: "
+                 f"{human_bytes(section['peak_bytes'])} "
+                 f"({pct(section['peak_fraction_of_full_attention'])})"))
+    return _kv_table("Layer groups (hybrid KV cache)", rows)
+
+
 def report_renderable(report: dict[str, Any]) -> Group:
     pool, summary, cf = report["pool"], report["summary"], report["counterfactual"]
     parts = [pool_table(pool), peak_table(pool, summary), savings_table(cf),
-             arena_table(cf["first_fit_arena"]), events_table(summary)]
+             arena_table(cf["first_fit_arena"])]
+    if _any_event(summary):  # tables only for what happened
+        parts.append(events_table(summary))
+    if report.get("kv_groups"):
+        parts.append(groups_table(report["kv_groups"]))
     if "no_sharing" in cf and cf["no_sharing"]["sharing_saved_blocks"] > 0:
         parts.append(sharing_table(summary, cf))
     return Group(*parts)
+
+
+def _any_event(s: dict[str, Any]) -> bool:
+    return any(s[key] for key in ("prefix_cache_hit_tokens", "cow_copies", "preemptions",
+                                  "recomputed_tokens", "evictions"))
 
 
 def render_report(report: dict[str, Any], console: Console | None = None) -> None:

@@ -64,16 +64,30 @@ def summary_section(t: MemoryTracker, counters: Any) -> dict[str, Any]:
 
 
 def _policy_entry(t: MemoryTracker, peak: PolicyPeak, paging_bytes: int) -> dict[str, Any]:
-    reserved_bytes = peak.reserved_tokens * t.bytes_per_token
+    reserved_bytes = peak.reserved_tokens * t.token_bytes_all_layers
     return {
         "peak_bytes": reserved_bytes, "peak_step": peak.step,
         "reserved_tokens": peak.reserved_tokens, "live_tokens": peak.live_tokens,
         "used_fraction": _ratio(peak.live_tokens, peak.reserved_tokens),
-        "waste_bytes": (peak.reserved_tokens - peak.live_tokens) * t.bytes_per_token,
+        "waste_bytes": (peak.reserved_tokens - peak.live_tokens) * t.token_bytes_all_layers,
         "paging_saved_bytes": reserved_bytes - paging_bytes,
         "paging_saved_fraction": _ratio(reserved_bytes - paging_bytes, reserved_bytes),
         "effective_batch_capacity": _capacity(t, peak.total_reserved),
+        **_why_negative(reserved_bytes - paging_bytes, peak, t.block_size),
     }
+
+
+def _why_negative(saved_bytes: int, peak: PolicyPeak, block_size: int) -> dict[str, str]:
+    """A negative saving is real, and says why: the policy reserved (nearly) exactly what was
+    used, while paging rounds each sequence up to whole blocks."""
+    if saved_bytes >= 0:
+        return {}
+    exact = peak.reserved_tokens == peak.live_tokens
+    return {"why_negative": (
+        ("this policy reserved exactly the tokens used (every sequence ran to its max_tokens); "
+         if exact else "this policy's peak fell at another step than paging's; ")
+        + f"paging rounds each sequence up to whole blocks (up to {block_size - 1} slots "
+          "of its last block unused)")}
 
 
 def _capacity(t: MemoryTracker, total_reserved_slots: int) -> int:
@@ -148,4 +162,28 @@ def build_report(tracker: MemoryTracker, counters: Any) -> dict[str, Any]:
         "timeline": [asdict(s) for s in tracker.timeline.items()],
         "peak_block_tables": tables_dict(tracker.peak_tables),
         "block_table_snapshots": snapshots,
+        **({"kv_groups": groups_section(tracker)} if tracker.group_windows else {}),
     }
+
+
+def groups_section(t: MemoryTracker) -> dict[str, Any]:
+    """Per layer group of a hybrid pool: its pages at the peak and what its window gave back;
+    and the pool had every layer kept every token ("every layer full attention")."""
+    page_bytes = t.bytes_per_token * t.block_size
+    peak = t.peak_groups or tuple(None for _ in t.group_windows)
+    last = t.last_groups or peak
+    groups = []
+    for index, (window, layers) in enumerate(zip(t.group_windows, t.group_layers)):
+        at_peak, at_end = peak[index], last[index]
+        used = at_peak.blocks_used if at_peak else 0
+        groups.append({
+            "group": index, "window": window, "layers": layers,
+            "bytes_per_token": t.bytes_per_token, "blocks_used_at_peak": used,
+            "bytes_at_peak": used * page_bytes,
+            "blocks_released_by_window": at_end.window_released if at_end else 0})
+    pool_peak = (t.peak.blocks_used if t.peak else 0) * page_bytes
+    full = t.peak_full_attention_blocks * page_bytes
+    return {"groups": groups, "peak_bytes": pool_peak,
+            "full_attention": {"peak_bytes": full, "peak_step": t.peak_full_attention_step,
+                               "bytes_per_token": t.token_bytes_all_layers},
+            "peak_fraction_of_full_attention": _ratio(pool_peak, full)}

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+from pagedgen.settings import default
 from pagedgen.validation import require_int
 from pagedgen.memory.counterfactual import CounterfactualReplay
 from pagedgen.memory.sampled_series import SampledSeries
@@ -98,7 +99,14 @@ class MemoryTracker:
     num_layers: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
-    kv_cache_dtype: str = "auto"   # "auto" or an 8-bit format: 1-byte codes + per-block scales
+    kv_cache_dtype: str = default("kv_cache_dtype")   # "auto" or an 8-bit format: 1-byte codes + per-block scales
+    # A hybrid pool (model/runtime/kv_groups.py): per layer group its window (0 = full) and its
+    # layers; bytes_per_token and num_layers then describe one page (G layers). Empty: one group.
+    group_windows: tuple[int, ...] = ()
+    group_layers: tuple[int, ...] = ()
+    # K/V bytes of one token in every layer (the "every layer full attention" counterfactual and
+    # the static reservations); None: bytes_per_token (a one-group pool).
+    full_attention_bytes_per_token: int | None = None
     timeline: SampledSeries[StepSample] = field(init=False)
     table_snapshots: SampledSeries[TableSnapshot] = field(init=False)
     replay: CounterfactualReplay = field(init=False)
@@ -111,6 +119,11 @@ class MemoryTracker:
     peak_running: int = field(default=0, init=False)
     peak_running_step: int = field(default=-1, init=False)
     paging_slot_steps: int = field(default=0, init=False)   # sum over steps of allocated slots
+    peak_groups: tuple = field(default=(), init=False)       # GroupSnapshots at the peak step
+    last_groups: tuple = field(default=(), init=False)
+    # The most pages the pool would have held had no window released any (at its step).
+    peak_full_attention_blocks: int = field(default=0, init=False)
+    peak_full_attention_step: int = field(default=-1, init=False)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "bytes_per_token", "max_model_len",
@@ -180,6 +193,21 @@ class MemoryTracker:
             self.peak_logical = sample
         self._track_concurrency(step, len(running))
         self.last = sample
+        if snapshot.groups:
+            self._track_groups(step, snapshot, is_peak)
+
+    def _track_groups(self, step: int, snapshot: PoolSnapshot, is_peak: bool) -> None:
+        if is_peak:
+            self.peak_groups = snapshot.groups
+        self.last_groups = snapshot.groups
+        unreleased = snapshot.blocks_used + sum(g.released_entries for g in snapshot.groups)
+        if unreleased > self.peak_full_attention_blocks:
+            self.peak_full_attention_blocks, self.peak_full_attention_step = unreleased, step
+
+    @property
+    def token_bytes_all_layers(self) -> int:
+        """K/V bytes of one token in every layer (= bytes_per_token for a one-group pool)."""
+        return self.full_attention_bytes_per_token or self.bytes_per_token
 
     def _keep_tables(self, sample: StepSample, is_peak: bool, capture: Callable[[], TableSnapshot]) -> None:
         if is_peak:

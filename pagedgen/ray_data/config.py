@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedgen.settings import LLM_SETTINGS
 from pagedgen.validation import require_int
 
-# LLM keyword arguments a replica may be given (pagedgen.LLM's engine options).
-ENGINE_KWARGS = ("dtype", "device", "block_size", "num_blocks", "kv_memory", "max_num_seqs",
-                 "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "seed",
-                 "threads", "kv_cache_dtype", "batch_invariant")
+# LLM keyword arguments a replica may be given: every LLM() setting of the table but the model,
+# which is the stage's own field.
+ENGINE_KWARGS = tuple(s.name for s in LLM_SETTINGS if s.name != "model")
 
 
 @dataclass(slots=True)

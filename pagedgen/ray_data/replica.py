@@ -18,9 +18,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from pagedgen.cli.input_records import Request, RequestError
-from pagedgen.cli.output_files import error_record, result_record
-from pagedgen.cli.run_job import Prepared, prepare, to_result
+from pagedgen.jobs.input_records import Request, RequestError
+from pagedgen.jobs.output_files import error_record, result_record
+from pagedgen.jobs.run_job import Prepared, prepare, to_result
 from pagedgen.ray_data.config import ProcessorConfig
 from pagedgen.ray_data.rows import row_request
 

@@ -15,7 +15,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from pagedgen.cli.output_files import write_atomically
+from pagedgen.jobs.output_files import write_atomically
 from pagedgen.memory.render import human_bytes, pct
 
 

@@ -18,7 +18,7 @@ import json
 import math
 from typing import Any
 
-from pagedgen.cli.input_records import (PROMPT_KEYS, SAMPLING_FIELDS, Request, RequestError,
+from pagedgen.jobs.input_records import (PROMPT_KEYS, SAMPLING_FIELDS, Request, RequestError,
                                         parse_line)
 
 INPUT_LINE, LINE = "input_line", "line"

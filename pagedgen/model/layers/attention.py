@@ -3,11 +3,18 @@
 The kernel module is picked per device (pagedgen.kernels.get_ops: Triton on CUDA, torch on
 CPU) and travels in the step metadata, so the decoder itself is device-agnostic. Anything
 derived from the batch shape alone (the CPU attention plan, RoPE rows) is built once per step
-here, not once per layer.
+here, not once per layer; so is each sliding window's plan (window_plan).
+
+Not every step comes through here: on CPU, a pure decode step of a bfloat16 Llama-family model
+whose weights are packed for our GEMMs (and not batch-invariant) runs all its layers, this
+attention included, in one native call, model/layers/fused_decode.py -> kernels/cpu/decode_step.c,
+with the same kernels in the same order. Decoder._fused_step (decoder.py) is where that choice
+is made; prefill chunks, float32, CUDA, batch-invariant runs, hybrid KV caches and Gemma always
+take this module.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -15,7 +22,7 @@ import torch
 from torch import nn
 
 from pagedgen.model.config import ModelConfig
-from pagedgen.model.layers.norm_mlp import empty_parameter, rms_norm
+from pagedgen.model.layers.norm_mlp import NORMS, empty_parameter
 from pagedgen.model.layers.linear import linear, pack_weight
 from pagedgen.model.layers.rope import apply_rope
 
@@ -31,7 +38,31 @@ class StepMetadata:
     query_start_loc: torch.Tensor  # int32 [S + 1]: rows of sequence s in the flat batch
     rope: torch.Tensor  # [T, 2, D/2]: cos/sin rows of the tokens' positions
     plan: Any = None  # kernel-specific precomputation (cpu_backend.AttentionPlan), or None
-    kv_scales: torch.Tensor | None = None  # float32 [L, 2, N, H_kv] of a quantized pool
+    kv_scales: torch.Tensor | None = None  # float32 [L or G, 2, N, H_kv] of a quantized pool
+    window_plans: dict[int, Any] = field(default_factory=dict)  # sliding window -> its plan
+    # A hybrid KV cache (model/runtime/kv_groups.py): each layer group's own metadata (its
+    # block tables and slots), and per layer its (group, position in the KV tensor). Empty:
+    # one group, layer i at position i.
+    group_steps: tuple["StepMetadata", ...] = ()
+    layer_slots: tuple[tuple[int, int], ...] = ()
+
+    def for_layer(self, layer: int) -> tuple["StepMetadata", int]:
+        """The metadata layer `layer` uses and its index into the KV tensor's first dimension."""
+        if not self.layer_slots:
+            return self, layer
+        group, position = self.layer_slots[layer]
+        return self.group_steps[group], position
+
+    def window_plan(self, window: int, block_size: int) -> Any:
+        """The kernels' plan for layers with this sliding window (0: full attention), built
+        on first use and then shared by every layer of the step with the same window."""
+        if window == 0 or self.plan is None:
+            return self.plan
+        if window not in self.window_plans:
+            self.window_plans[window] = self.ops.plan_attention(
+                self.block_tables, self.seq_lens, self.query_start_loc, block_size,
+                sliding_window=window)
+        return self.window_plans[window]
 
 
 def build_step_metadata(ops: ModuleType, *, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
@@ -46,15 +77,18 @@ def build_step_metadata(ops: ModuleType, *, slot_mapping: torch.Tensor, block_ta
 
 
 class PagedSelfAttention(nn.Module):
-    """q/k/v in one GEMM, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention, o_proj."""
+    """q/k/v in one GEMM, optional per-head q/k RMSNorm (Qwen3, Gemma 3), RoPE, paged attention
+    (over the last `window` positions only on a sliding layer), o_proj."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attention_scale
+        self.window = config.window_of(layer)
         self.eps = config.rms_norm_eps
+        self.norm = NORMS[config.style.norm]
         self.qkv_weight = empty_parameter(self.q_size + 2 * self.kv_size, config.hidden_size)
         self.qkv_bias = empty_parameter(self.q_size + 2 * self.kv_size) if config.attention_bias else None
         self.o_weight = empty_parameter(config.hidden_size, self.q_size)
@@ -69,16 +103,18 @@ class PagedSelfAttention(nn.Module):
         self.o_packed = pack_weight(self.o_weight, row_tiled=row_tiled)
 
     def forward(self, hidden: torch.Tensor, step: StepMetadata, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-        """scales: this layer's [2, N, H_kv] when the pool is quantized, else None."""
+                v_cache: torch.Tensor, scales: torch.Tensor | None = None,
+                cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+        """scales: this layer's [2, N, H_kv] when the pool is quantized, else None.
+        cos_sin: the RoPE rows [T, 2, D/2] of this layer's RoPE (default: step.rope)."""
         tokens = hidden.shape[0]
         qkv = linear(hidden, self.qkv_weight, self.qkv_bias, self.qkv_packed)
         # q and k are adjacent columns of qkv: normalise and rotate them together.
         qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads,
                                                       self.head_dim)
         if self.qk_norm_weight is not None:
-            qk = rms_norm(qk, self.qk_norm_weight, self.eps)
-        qk = apply_rope(qk, step.rope)
+            qk = self.norm(qk, self.qk_norm_weight, self.eps)
+        qk = apply_rope(qk, step.rope if cos_sin is None else cos_sin)
         query, key = qk[:, :self.num_heads], qk[:, self.num_heads:]
         value = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         # Only a quantized pool passes scales: the unquantized calls stay exactly as they were.
@@ -92,6 +128,9 @@ class PagedSelfAttention(nn.Module):
                          quantized: dict) -> torch.Tensor:
         args = (query, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start_loc,
                 self.scale)
-        if step.plan is None:
-            return step.ops.paged_attention(*args, **quantized)
-        return step.ops.paged_attention(*args, plan=step.plan, **quantized)
+        # Full-attention layers call the kernels exactly as before windows existed.
+        window = {"sliding_window": self.window} if self.window else {}
+        plan = step.window_plan(self.window, k_cache.shape[1])
+        if plan is None:
+            return step.ops.paged_attention(*args, **quantized, **window)
+        return step.ops.paged_attention(*args, plan=plan, **quantized, **window)

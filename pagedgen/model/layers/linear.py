@@ -1,8 +1,8 @@
 """Dense projections on CPU in bfloat16, with weights repacked once at start-up.
 
 Two packings, whichever the CPU has:
-- Our kernels' (kernels/cpu_gemm_common.h), one layout for two kernels: AMX
-  (kernels/cpu_gemm_amx.c) where the CPU has it, else AVX-512 BF16 (kernels/cpu_gemm_avx512.c);
+- Our kernels' (kernels/cpu/gemm_common.h), one layout for two kernels: AMX
+  (kernels/cpu/gemm_amx.c) where the CPU has it, else AVX-512 BF16 (kernels/cpu/gemm_avx512.c);
   used for up to MAX_ROWS[kind] rows (decode steps, small prefills), where the GEMM is bound
   by streaming the weights or by per-call costs and our kernels beat oneDNN through torch
   (bench/FIGURES.md). Larger row counts go to F.linear on the plain weight.
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedgen.kernels import cpu_backend
+from pagedgen.kernels.cpu import backend as cpu_backend
+from pagedgen.model.layers.quantized_linear import QuantizedWeight, quantized_linear
 from pagedgen.model.layers.row_tiles import ROWS, RowTiled, in_row_tiles
 
 AMX_MAX_ROWS = 256  # beyond it F.linear catches up, and x no longer fits L2
@@ -58,6 +59,8 @@ def pack_weight(weight: torch.Tensor, rows_hint: int = 64, row_tiled: bool = Fal
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | RowTiled | None = None) -> torch.Tensor:
     """x @ weight.T + bias, through the packed weight when there is one."""
+    if isinstance(packed, QuantizedWeight):  # GGUF blocks as stored (quantized_linear.py)
+        return quantized_linear(x, packed, bias)
     if isinstance(packed, RowTiled):  # batch-invariant mode
         return in_row_tiles(lambda rows: linear(rows, weight, bias, packed.inner), x, packed.rows)
     if packed is None:
@@ -76,6 +79,8 @@ def linear_float32(x: torch.Tensor, weight: torch.Tensor,
                    packed: PackedWeight | RowTiled | None = None) -> torch.Tensor:
     """linear(x, weight, packed=packed).float(), in one pass where our kernels apply (the LM
     head: the sampler wants float32 logits, and a separate cast is one more pass)."""
+    if isinstance(packed, QuantizedWeight):  # rounded to x's dtype first, as the dense path
+        return quantized_linear(x, packed).float()
     if isinstance(packed, RowTiled):  # batch-invariant mode
         return in_row_tiles(lambda rows: linear_float32(rows, weight, packed.inner), x, packed.rows)
     kernel = None if packed is None else _KERNELS.get(packed.kind)

@@ -5,18 +5,25 @@ are dequantized to float32 with gguf.quants.dequantize (F32, F16, BF16, Q8_0, Q4
 Q4_1, Q4_K, Q6_K and the other types it knows), renamed to transformers' names, and, for
 llama-architecture files, Q/K rows are put back in transformers' order: llama.cpp's converter
 permutes them to suit its own RoPE layout.
+
+gemma3 files: llama.cpp's converter stores every Gemma norm weight as 1 + w (its RMSNorm
+multiplies by the weight), transformers' Gemma3RMSNorm multiplies by 1 + w: the 1 is taken
+off again here. What the file does not say, llama.cpp and transformers both take from
+Gemma 3's fixed design: local RoPE base 10k, every 6th layer global, query_pre_attn_scalar
+= head_dim (GEMMA3_FIXED).
 """
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from pagedgen.model.config import ModelConfig, UnsupportedModelError, usable_context
+from pagedgen.model.config import (FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig,
+                                   UnsupportedModelError)
 from pagedgen.model.errors import ModelLoadError
 from pagedgen.model.loading.gguf_file import GgufFile, GgufTensor, read_gguf
 
@@ -24,7 +31,14 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+GEMMA3_FIXED = {"local_rope_theta": 10_000.0, "sliding_window_pattern": 6}
+# Gemma 3 27B (62 layers) scales queries by (hidden / heads) ** -0.5, every other size by
+# head_dim ** -0.5: llama.cpp's rule, and the query_pre_attn_scalar of Google's configs.
+GEMMA3_27B_LAYERS = 62
+# Architectures whose norm weights llama.cpp stores as 1 + w.
+OFFSET_NORM_ARCHITECTURES = ("gemma3",)
 # llama.cpp's converter permutes Q/K only for these (the others use NeoX-style RoPE there too).
 PERMUTED_QK_ARCHITECTURES = ("llama",)
 
@@ -36,6 +50,9 @@ _GLOBAL_NAMES = {
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    # Gemma's sandwich norms: in its files ffn_norm is the MLP's input norm (see _hf_layer_name).
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -94,13 +111,28 @@ def gguf_model_config(reader: GgufFile) -> ModelConfig:
         rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(reader, arch),
-        max_position_embeddings=usable_context(required("context_length"),
-                                               field(reader, f"{arch}.attention.sliding_window")),
+        max_position_embeddings=required("context_length"),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         attention_output_bias="blk.0.attn_output.bias" in names,
+        **(_gemma3_fields(reader, required("block_count")) if arch == "gemma3" else {}),
     )
+
+
+def _gemma3_fields(reader: GgufFile, layers: int) -> dict:
+    """Gemma 3's window, layer pattern, local RoPE and activation (see the module docstring)."""
+    pattern = GEMMA3_FIXED["sliding_window_pattern"]
+    window = field(reader, "gemma3.attention.sliding_window")
+    if window is None:
+        raise UnsupportedModelError("GGUF file lacks the metadata field gemma3.attention.sliding_window")
+    types = tuple(SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(layers))
+    hidden, heads = field(reader, "gemma3.embedding_length"), field(reader, "gemma3.attention.head_count")
+    head_dim = field(reader, "gemma3.attention.key_length", _per_head(int(hidden), int(heads)))
+    scalar = _per_head(int(hidden), int(heads)) if layers == GEMMA3_27B_LAYERS else int(head_dim)
+    return {"hidden_act": "gelu_pytorch_tanh", "sliding_window": int(window), "layer_types": types,
+            "sliding_rope_theta": GEMMA3_FIXED["local_rope_theta"],
+            "query_pre_attn_scalar": float(scalar)}
 
 
 def _per_head(hidden: int, heads: int) -> int:
@@ -126,14 +158,21 @@ def gguf_eos_token_ids(reader: GgufFile) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def iter_gguf_tensors(reader: GgufFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(transformers name, float32 tensor) for every weight, Q/K rows un-permuted."""
-    permuted = gguf_architecture(reader) in PERMUTED_QK_ARCHITECTURES
+def iter_gguf_tensors(reader: GgufFile, config: ModelConfig,
+                      skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(transformers name, float32 tensor) for every weight, Q/K rows un-permuted; names in
+    `skip` (weights kept packed: gguf_packed.py) are left out, never dequantized."""
+    arch = gguf_architecture(reader)
+    permuted = arch in PERMUTED_QK_ARCHITECTURES
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:
             continue  # folded into config.rope_scaling
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
+        if name in skip:
+            continue
         weights = _to_numpy(tensor)
+        if arch in OFFSET_NORM_ARCHITECTURES and name.endswith("norm.weight"):
+            weights -= 1.0  # float32 already: the same rounding as transformers' weights - 1
         if permuted and ".self_attn.q_proj." in name:
             weights = unpermute_qk(weights, config.num_heads)
         elif permuted and ".self_attn.k_proj." in name:
@@ -141,13 +180,16 @@ def iter_gguf_tensors(reader: GgufFile, config: ModelConfig) -> Iterator[tuple[s
         yield name, torch.from_numpy(weights)
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")  # blk.<i>.<kind>.<weight|bias>
     if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER_NAMES:
         raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} is not part of a supported model")
-    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    module = _LAYER_NAMES[parts[2]]
+    if arch == "gemma3" and parts[2] == "ffn_norm":
+        module = "pre_feedforward_layernorm"
+    return f"model.layers.{parts[1]}.{module}.{parts[3]}"
 
 
 def unpermute_qk(weights: np.ndarray, num_heads: int) -> np.ndarray:

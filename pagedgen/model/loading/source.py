@@ -33,8 +33,22 @@ def locate_model(model: str | Path | None) -> ModelSource:
     gguf_file = _single_gguf(path)
     if gguf_file is not None:
         return ModelSource("gguf", gguf_file, gguf_file.name)
-    raise ValueError(f"model {str(model)!r} is neither a folder with config.json nor a .gguf file "
-                     "(hub ids are not fetched: pagedgen runs offline; download the folder first)")
+    raise ValueError(_not_found_message(str(model)))
+
+
+def _not_found_message(model: str) -> str:
+    """What to do instead: a hub id gets the command that downloads it, and what runs."""
+    from pagedgen.model.config import SUPPORTED_ARCHITECTURES
+
+    runs = f"architectures that run: {', '.join(SUPPORTED_ARCHITECTURES)} (HF folders), GGUF files"
+    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if looks_like_hub_id and not Path(model).exists():
+        local = f"models/{model.split('/')[1]}"
+        # One line: callers print load errors on one line, so the command sits in quotes.
+        return (f"model {model!r} is not a local folder or .gguf file, and pagedgen does not "
+                f"download (it runs offline). Download it once with "
+                f"'hf download {model} --local-dir {local}', then pass --model {local} ({runs})")
+    return f"model {model!r} is neither a folder with config.json nor a .gguf file ({runs})"
 
 
 def _single_gguf(path: Path) -> Path | None:

@@ -24,9 +24,19 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pagedgen.model.errors import ModelLoadError, load_errors_named
+from pagedgen.model.loading.chat_templates import FAMILY_CHAT
+
+
+# Any one of these lets transformers build a tokenizer (with tokenizer_config.json or not).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 
 
 def load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"the folder has no tokenizer files (one of {', '.join(TOKENIZER_FILES)} "
+                             "is needed, usually with tokenizer_config.json); copy them from the "
+                             "model's repository, or name a folder that has them as the tokenizer",
+                             folder)
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
                                              trust_remote_code=False)
@@ -53,6 +63,16 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
                              path) from error
 
 
+def complete_family_chat(tokenizer: PreTrainedTokenizerBase, architecture: str) -> list[int]:
+    """Give a GGUF tokenizer its family's chat template when the file carries none, and return
+    the ids of the family's end-of-turn tokens (Gemma's <end_of_turn>) found in its vocabulary."""
+    template, end_tokens = FAMILY_CHAT.get(architecture, (None, ()))
+    if template is not None and not tokenizer.chat_template:
+        tokenizer.chat_template = template
+    vocab = tokenizer.get_vocab()
+    return [vocab[token] for token in end_tokens if token in vocab]
+
+
 def matching_tokenizer(folder: Path, embedded: PreTrainedTokenizerBase,
                        gguf_path: Path) -> PreTrainedTokenizerBase:
     """The tokenizer of `folder`, asked for explicitly next to a GGUF file: it must have the
@@ -71,8 +91,14 @@ def matching_tokenizer(folder: Path, embedded: PreTrainedTokenizerBase,
     return chosen
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+def _first_line(error: BaseException, limit: int = 400) -> str:
+    """The library's message on one line, whole sentences only (its lines are wrapped
+    mid-sentence, so the first line alone can stop in the middle of one)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(". ", 0, limit)
+    return text[:cut + 1] if cut > 0 else text[:limit] + "..."
 
 
 def folder_eos_token_ids(folder: Path, raw_config: dict[str, Any]) -> list[int]:

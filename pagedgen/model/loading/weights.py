@@ -1,4 +1,4 @@
-"""Copy checkpoint tensors (transformers' names) into LlamaDecoder's fused parameters.
+"""Copy checkpoint tensors (transformers' names) into Decoder's fused parameters.
 
 q/k/v land in row ranges of one qkv weight and gate/up in one gate_up weight, which is what
 lets the decoder run one GEMM for each. Every parameter must be written exactly once;
@@ -11,21 +11,31 @@ from collections.abc import Iterable
 import torch
 
 from pagedgen.model.errors import ModelLoadError
-from pagedgen.model.layers.llama import LlamaDecoder
+from pagedgen.model.layers.decoder import Decoder
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints saved this buffer
+# Multimodal checkpoints (Gemma3ForConditionalGeneration): only the text decoder is loaded.
+_IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                     "model.multi_modal_projector.")
+# Where the text decoder's tensors live in them (4.x and 5.x layouts) -> the text model's names.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
 
 
 class WeightLoadError(ModelLoadError):
     """A checkpoint does not match the model its config describes."""
 
 
-def load_weights(model: LlamaDecoder, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Fill every parameter of `model` from (hf_name, tensor) pairs, converting dtype on copy."""
+def load_weights(model: Decoder, tensors: Iterable[tuple[str, torch.Tensor]],
+                 provided: Iterable[str] = ()) -> None:
+    """Fill every parameter of `model` from (hf_name, tensor) pairs, converting dtype on copy;
+    `provided`: names already served another way (GGUF matrices kept packed)."""
     targets = _targets(model)
-    filled: set[str] = set()
-    saw_lm_head = False
+    filled: set[str] = set(provided)
+    saw_lm_head = "lm_head.weight" in filled
     for raw_name, tensor in tensors:
+        if raw_name.startswith(_IGNORED_PREFIXES):
+            continue
         name = normalize_name(raw_name)
         if name.endswith(_IGNORED_SUFFIXES):
             continue
@@ -61,7 +71,7 @@ def _check_complete(targets: dict, filled: set[str]) -> None:
         raise WeightLoadError(f"checkpoint is missing {len(missing)} tensor(s): {shown}")
 
 
-def _targets(model: LlamaDecoder) -> dict[str, tuple[torch.Tensor, slice]]:
+def _targets(model: Decoder) -> dict[str, tuple[torch.Tensor, slice]]:
     """hf_name -> (destination parameter, row range inside it)."""
     targets = {"model.embed_tokens.weight": (model.embed_weight, slice(None)),
                "model.norm.weight": (model.norm.weight, slice(None))}
@@ -73,17 +83,17 @@ def _targets(model: LlamaDecoder) -> dict[str, tuple[torch.Tensor, slice]]:
     return targets
 
 
-def _layer_targets(model: LlamaDecoder, layer) -> dict[str, tuple[torch.Tensor, slice]]:
+def _layer_targets(model: Decoder, layer) -> dict[str, tuple[torch.Tensor, slice]]:
     cfg, attn, mlp = model.config, layer.attention, layer.mlp
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     rows = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
     targets = {
         "input_layernorm.weight": (layer.input_norm.weight, slice(None)),
-        "post_attention_layernorm.weight": (layer.post_attention_norm.weight, slice(None)),
         "self_attn.o_proj.weight": (attn.o_weight, slice(None)),
         "mlp.gate_proj.weight": (mlp.gate_up_weight, slice(0, inter)),
         "mlp.up_proj.weight": (mlp.gate_up_weight, slice(inter, 2 * inter)),
         "mlp.down_proj.weight": (mlp.down_weight, slice(None)),
+        **_norm_targets(layer),
     }
     for proj, row_range in rows.items():
         targets[f"self_attn.{proj}.weight"] = (attn.qkv_weight, row_range)
@@ -98,8 +108,24 @@ def _layer_targets(model: LlamaDecoder, layer) -> dict[str, tuple[torch.Tensor, 
     return targets
 
 
+def _norm_targets(layer) -> dict[str, tuple[torch.Tensor, slice]]:
+    """transformers' names of the norms around the MLP. Llama's post_attention_layernorm is
+    the MLP's input norm; with sandwich norms (Gemma) it norms the attention output and
+    pre_feedforward_layernorm is the MLP's input norm."""
+    whole = slice(None)
+    if layer.attention_out_norm is None:
+        return {"post_attention_layernorm.weight": (layer.post_attention_norm.weight, whole)}
+    return {"post_attention_layernorm.weight": (layer.attention_out_norm.weight, whole),
+            "pre_feedforward_layernorm.weight": (layer.post_attention_norm.weight, whole),
+            "post_feedforward_layernorm.weight": (layer.mlp_out_norm.weight, whole)}
+
+
 def normalize_name(name: str) -> str:
-    """Accept checkpoints saved without the leading 'model.' of the decoder body."""
+    """Accept checkpoints saved without the leading 'model.' of the decoder body, and the
+    text decoder's names inside a multimodal checkpoint."""
+    for prefix, replacement in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
     if name.startswith(("model.", "lm_head.")):
         return name
     return "model." + name

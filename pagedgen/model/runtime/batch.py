@@ -18,6 +18,9 @@ class ScheduledChunk:
     block_table: list[int]  # covers start_pos + len(token_ids) tokens
     sample: bool  # True when logits are needed at the chunk's last token
     prompt_logprobs: bool = False  # the hidden states of every token are kept (runner.prompt_hidden)
+    # Hybrid KV cache: every layer group's table (block_table is group 0's); entries a sliding
+    # window released are negative (the manager's NULL_BLOCK) and become padding here.
+    group_tables: list[list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -31,6 +34,8 @@ class FlatBatch:
     seq_lens: torch.Tensor  # int32 [S]
     query_start_loc: torch.Tensor  # int32 [S + 1]
     sample_rows: torch.Tensor  # int64 [number of chunks with sample=True]
+    group_block_tables: torch.Tensor | None = None  # int32 [groups, S, max_blocks] (hybrid)
+    group_slot_mapping: torch.Tensor | None = None  # int64 [groups, T] (hybrid)
 
 
 def build_flat_batch(chunks: list[ScheduledChunk], block_size: int) -> FlatBatch:
@@ -48,6 +53,12 @@ def build_flat_batch(chunks: list[ScheduledChunk], block_size: int) -> FlatBatch
     positions = starts[seq_of_token] + offsets
     blocks = tables[seq_of_token, positions // block_size].long()
     sampled = torch.tensor([c.sample for c in chunks], dtype=torch.bool)
+    group_tables = group_slots = None
+    if chunks[0].group_tables is not None:
+        group_tables = _padded_group_tables(chunks)
+        # Every group's slots in one gather: [groups, T].
+        group_blocks = group_tables[:, seq_of_token, positions // block_size].long()
+        group_slots = group_blocks * block_size + positions % block_size
     return FlatBatch(
         input_ids=torch.tensor(list(chain.from_iterable(c.token_ids for c in chunks)), dtype=torch.int64),
         positions=positions,
@@ -56,6 +67,8 @@ def build_flat_batch(chunks: list[ScheduledChunk], block_size: int) -> FlatBatch
         seq_lens=seq_lens.to(torch.int32),
         query_start_loc=query_start_loc.to(torch.int32),
         sample_rows=(query_start_loc[1:] - 1)[sampled],
+        group_block_tables=group_tables,
+        group_slot_mapping=group_slots,
     )
 
 
@@ -67,7 +80,19 @@ def _padded_block_tables(chunks: list[ScheduledChunk]) -> torch.Tensor:
     filled = torch.arange(width)[None, :] < lengths[:, None]
     tables[filled] = torch.tensor(list(chain.from_iterable(c.block_table for c in chunks)),
                                   dtype=torch.int32)
-    return tables
+    return tables.clamp_(min=0)  # released (sliding-window) entries read as padding
+
+
+def _padded_group_tables(chunks: list[ScheduledChunk]) -> torch.Tensor:
+    """int32 [groups, S, longest table]; all groups' tables of a chunk have the same length."""
+    lengths = torch.tensor([len(c.block_table) for c in chunks], dtype=torch.int64)
+    groups = len(chunks[0].group_tables)
+    width = max(int(lengths.max()), 1)
+    tables = torch.zeros(len(chunks), groups, width, dtype=torch.int32)
+    filled = (torch.arange(width)[None, :] < lengths[:, None])[:, None, :].expand(-1, groups, -1)
+    values = chain.from_iterable(chain.from_iterable(c.group_tables for c in chunks))
+    tables[filled] = torch.tensor(list(values), dtype=torch.int32)
+    return tables.clamp_(min=0).transpose(0, 1).contiguous()
 
 
 def _check_chunks(chunks, q_lens, starts, seq_lens, block_size) -> None:

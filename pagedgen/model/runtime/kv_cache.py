@@ -12,7 +12,7 @@ import torch
 
 from pagedgen.kernels.kv_quant import KV_CACHE_DTYPES, SCALE_DTYPE, kv_format  # noqa: F401 - re-exported
 from pagedgen.model.runtime.lazy_zeros import lazy_zeros
-from pagedgen.validation import require_int
+from pagedgen.settings import default
 
 # Without an explicit size: a fixed budget on CPU, a share of free memory on CUDA. On CPU a
 # fraction of free memory meant several GB of zero-filled pool for a small model on a machine
@@ -34,8 +34,8 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype | str, kv_cache_dtype: str = "auto",
-                       block_size: int = 16) -> int:
+                       dtype: torch.dtype | str, kv_cache_dtype: str = default("kv_cache_dtype"),
+                       block_size: int = default("block_size")) -> int:
     """K and V of one token over all layers: 2 * layers * kv_heads * head_dim * dtype bytes.
 
     A quantized kv_cache_dtype stores 1-byte codes plus one float32 scale per block, K/V and
@@ -62,8 +62,6 @@ def blocks_for_budget(budget_bytes: int, block_size: int, bytes_per_token: int) 
     """How many whole blocks fit in `budget_bytes` (may be 0)."""
     if budget_bytes < 0:
         raise ValueError(f"kv memory budget must be >= 0 bytes, got {budget_bytes}")
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
     return budget_bytes // kv_bytes_per_block(bytes_per_token, block_size)
 
 
@@ -80,7 +78,7 @@ def _meminfo_available(path: Path = Path("/proc/meminfo")) -> int:
     for line in path.read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024  # the file counts kB
-    raise RuntimeError(f"{path} has no MemAvailable line; pass num_blocks or kv_memory_bytes")
+    raise RuntimeError(f"{path} has no MemAvailable line; pass num_blocks or kv_memory")
 
 
 def size_kv_pool(*, bytes_per_token: int, block_size: int, device: torch.device | str,
@@ -96,11 +94,9 @@ def size_kv_pool(*, bytes_per_token: int, block_size: int, device: torch.device 
     given = [name for name, value in (("num_blocks", num_blocks), ("kv_memory_bytes", kv_memory_bytes),
                                       ("kv_memory_fraction", kv_memory_fraction)) if value is not None]
     if len(given) > 1:
-        raise ValueError(f"give at most one of num_blocks, kv_memory_bytes, kv_memory_fraction; got {given}")
-    require_int("block_size", block_size)
+        raise ValueError(f"give at most one of num_blocks, kv_memory, kv_memory_fraction; got {given}")
     per_block = kv_bytes_per_block(bytes_per_token, block_size)
     if num_blocks is not None:
-        require_int("num_blocks", num_blocks)
         pool = KVPoolSize(num_blocks, num_blocks * per_block, f"num_blocks={num_blocks}")
     else:
         budget, source = _budget(kv_memory_bytes, kv_memory_fraction, device)
@@ -116,8 +112,7 @@ def size_kv_pool(*, bytes_per_token: int, block_size: int, device: torch.device 
 def _budget(kv_memory_bytes: int | None, kv_memory_fraction: float | None,
             device: torch.device | str) -> tuple[int, str]:
     if kv_memory_bytes is not None:
-        require_int("kv_memory_bytes", kv_memory_bytes)
-        return kv_memory_bytes, f"kv_memory_bytes={kv_memory_bytes}"
+        return kv_memory_bytes, f"kv_memory={kv_memory_bytes}"
     device_type = torch.device(device).type
     if kv_memory_fraction is None and device_type != "cuda":
         return DEFAULT_KV_MEMORY_BYTES, f"the default {DEFAULT_KV_MEMORY_BYTES >> 20} MiB on {device_type}"
@@ -169,7 +164,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def kv_storage_dtype(model_dtype: torch.dtype, kv_cache_dtype: str = "auto") -> torch.dtype:
+def kv_storage_dtype(model_dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
     """The pool's element dtype: the model's for "auto", the format's 8-bit codes otherwise."""
     fmt = kv_format(kv_cache_dtype)
     return model_dtype if fmt is None else fmt.storage

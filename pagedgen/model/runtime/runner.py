@@ -7,62 +7,68 @@ from typing import Any
 import torch
 
 from pagedgen.kernels import get_ops
-from pagedgen.validation import require_int
-from pagedgen.kernels.invariant_attention import InvariantOps
+from pagedgen.settings import EngineConfig
+from pagedgen.kernels.cpu.invariant_attention import InvariantOps
 from pagedgen.model.layers.attention import StepMetadata, build_step_metadata
 from pagedgen.model.runtime.batch import FlatBatch, ScheduledChunk, build_flat_batch
 from pagedgen.model.runtime.cpu_malloc import keep_freed_memory
 from pagedgen.kernels.kv_quant import copy_block_scales, kv_format
 from pagedgen.model.runtime.kv_cache import (allocate_kv_cache, allocate_kv_scales,
-                                             kv_storage_dtype, size_kv_pool)
+                                             kv_bytes_per_token, kv_storage_dtype, size_kv_pool)
+from pagedgen.model.runtime.kv_groups import layout_for
 from pagedgen.model.runtime.timed_kernels import TimedKernels
+from pagedgen.model.runtime import kv_block_bytes
 from pagedgen.model.loading.loader import LoadedModel
 
 __all__ = ["ModelRunner", "ScheduledChunk"]
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, block_size: int, num_blocks: int | None = None,
-                 kv_memory_bytes: int | None = None, kv_memory_fraction: float | None = None,
-                 kernels: ModuleType | None = None, kv_cache_dtype: str = "auto",
-                 batch_invariant: bool = False) -> None:
-        """kernels: override the device's kernel module (tests run triton_ops interpreted on CPU).
-        kv_cache_dtype: "auto" (the model's dtype) or an 8-bit format of kernels/kv_quant.py.
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, *, kernels: ModuleType | None = None,
+                 kv_memory_fraction: float | None = None, hybrid_kv: bool = True) -> None:
+        """config: the run's settings, already checked (pagedgen/settings); the runner reads the
+        pool's (block_size, num_blocks / kv_memory, kv_cache_dtype) and batch_invariant.
+        kernels: override the device's kernel module (tests run triton_ops interpreted on CPU).
+        kv_memory_fraction: size the pool as this share of free memory (tests; CUDA's default).
         batch_invariant: each row's logits bitwise independent of the rest of the batch and of
-        the prefill chunking (row-tiled projections, kernels/invariant_attention.py)."""
-        require_int("block_size", block_size)
+        the prefill chunking (row-tiled projections, kernels/cpu/invariant_attention.py).
+        hybrid_kv: group layers by attention kind so sliding groups release blocks (kv_groups.py);
+        False keeps every token of every layer in one group (the full-attention pool)."""
         self.model = loaded.model
         self.config = loaded.config
         self.dtype, self.device = loaded.dtype, torch.device(loaded.device)
-        self.block_size = block_size
+        self.block_size = block_size = config.block_size
         self.kernels = kernels or get_ops(self.device)  # Triton kernels on CUDA, the CPU backend on CPU
-        kv_format(kv_cache_dtype)  # a bad name fails here, before any allocation
-        self.kv_cache_dtype = kv_cache_dtype or "auto"
-        if not isinstance(batch_invariant, bool):
-            raise ValueError(f"batch_invariant must be True or False, got {batch_invariant!r}")
-        if batch_invariant and self.kv_cache_dtype != "auto":
-            # The per-row attention reads bf16/float32 pools only.
-            raise ValueError("batch_invariant=True needs kv_cache_dtype='auto'")
-        self.batch_invariant = batch_invariant
-        if batch_invariant:
+        self.kv_cache_dtype = config.kv_cache_dtype
+        self.batch_invariant = config.batch_invariant
+        if self.batch_invariant:
             self.kernels = InvariantOps(self.kernels)
         self.ops = self.kernels  # what the model calls: the backend, or it seen through a timer
-        self.kv_bytes_per_token = self.config.kv_bytes_per_token(self.dtype, self.kv_cache_dtype,
-                                                                 block_size)
+        # Layers grouped by attention kind (kv_groups.py); a page holds G layers' K/V, so the
+        # pool is sized and allocated in pages of G layers (G = every layer without windows).
+        self.kv_layout = layout_for(self.config, hybrid_kv)
+        self.group_windows = self.kv_layout.group_windows
+        group_size = self.kv_layout.group_size
+        self.kv_bytes_per_token = kv_bytes_per_token(
+            group_size, self.config.num_kv_heads, self.config.head_dim, self.dtype,
+            self.kv_cache_dtype, block_size)
+        # Every layer keeping every token: the counterfactual the memory report shows.
+        self.full_attention_bytes_per_token = self.config.kv_bytes_per_token(
+            self.dtype, self.kv_cache_dtype, block_size)
         self.num_blocks = size_kv_pool(
             bytes_per_token=self.kv_bytes_per_token, block_size=block_size,
-            device=self.device, num_blocks=num_blocks, kv_memory_bytes=kv_memory_bytes,
+            device=self.device, num_blocks=config.num_blocks, kv_memory_bytes=config.kv_memory,
             kv_memory_fraction=kv_memory_fraction).num_blocks
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.model.pack_weights(batch_invariant=batch_invariant)
-        self.kv_cache = allocate_kv_cache(self.config.num_layers, self.num_blocks, block_size,
+        self.model.pack_weights(batch_invariant=self.batch_invariant)
+        self.kv_cache = allocate_kv_cache(group_size, self.num_blocks, block_size,
                                           self.config.num_kv_heads, self.config.head_dim,
                                           kv_storage_dtype(self.dtype, self.kv_cache_dtype),
                                           self.device)
-        self.kv_scales = None  # float32 [L, 2, N, H_kv] beside a quantized pool
+        self.kv_scales = None  # float32 [G, 2, N, H_kv] beside a quantized pool
         if kv_format(self.kv_cache_dtype) is not None:
-            self.kv_scales = allocate_kv_scales(self.config.num_layers, self.num_blocks,
+            self.kv_scales = allocate_kv_scales(group_size, self.num_blocks,
                                                 self.config.num_kv_heads, self.device)
 
     def set_phase_hook(self, hook: Any) -> None:
@@ -96,6 +102,17 @@ class ModelRunner:
 
     prompt_hidden: list[torch.Tensor] = []  # of the last step's prompt_logprobs chunks
 
+    # --- whole blocks as bytes, for the prefix store on disk (kv_block_bytes.py) ---
+    @property
+    def block_payload_size(self) -> int:
+        return kv_block_bytes.block_payload_size(self.kv_cache, self.kv_scales)
+
+    def read_blocks(self, block_ids: list[int]) -> Any:
+        return kv_block_bytes.read_blocks(self.kv_cache, self.kv_scales, block_ids)
+
+    def write_blocks(self, block_ids: list[int], payloads: list[memoryview]) -> None:
+        kv_block_bytes.write_blocks(self.kv_cache, self.kv_scales, block_ids, payloads)
+
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
@@ -109,16 +126,34 @@ class ModelRunner:
 
     def _step_metadata(self, flat: FlatBatch) -> StepMetadata:
         on_device = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
-        return build_step_metadata(
-            self.ops, slot_mapping=on_device(flat.slot_mapping),
-            block_tables=on_device(flat.block_tables), seq_lens=on_device(flat.seq_lens),
-            query_start_loc=on_device(flat.query_start_loc),
-            rope=self.model.rope.index_select(0, on_device(flat.positions)),
-            block_size=self.block_size, kv_scales=self.kv_scales)
+        seq_lens, query_start_loc = on_device(flat.seq_lens), on_device(flat.query_start_loc)
+        rope = self.model.rope.index_select(0, on_device(flat.positions))
+        windows = self.group_windows
+
+        def for_group(slots: torch.Tensor, tables: torch.Tensor) -> StepMetadata:
+            return build_step_metadata(
+                self.ops, slot_mapping=on_device(slots), block_tables=on_device(tables),
+                seq_lens=seq_lens, query_start_loc=query_start_loc, rope=rope,
+                block_size=self.block_size, kv_scales=self.kv_scales)
+
+        if flat.group_block_tables is None:
+            if len(windows) > 1:
+                raise ValueError("this model's KV cache has layer groups: every ScheduledChunk "
+                                 "needs group_tables")
+            return for_group(flat.slot_mapping, flat.block_tables)
+        # Each group's layers read their window's plan from their group's metadata.
+        groups = tuple(for_group(slots, tables) for slots, tables in
+                       zip(flat.group_slot_mapping, flat.group_block_tables))
+        step = groups[0]
+        step.group_steps = groups
+        step.layer_slots = tuple(zip(self.kv_layout.layer_group, self.kv_layout.layer_position))
+        return step
 
     def _check_ids(self, flat: FlatBatch) -> None:
         """Bad ids would index out of bounds deep in a kernel; name the field instead."""
         self._check_block_ids(flat.block_tables, "block_table")
+        if flat.group_block_tables is not None:
+            self._check_block_ids(flat.group_block_tables, "group_tables")
         vocab = self.config.vocab_size
         if bool(((flat.input_ids < 0) | (flat.input_ids >= vocab)).any()):
             raise ValueError(f"token_ids must be in [0, {vocab}) for this model")

@@ -1,0 +1,284 @@
+/* Skinny bfloat16 GEMM on AMX for decode steps: out[M, N] = x[M, K] . W[N, K]^T, small M.
+ *
+ * Why: a decode step multiplies a few dozen token rows by every weight of the model, so its
+ * GEMMs are bound by streaming the weights from memory. Through torch, oneDNN's AMX kernel
+ * streamed the weights slowly and had a large fixed cost per call, paid over a hundred times a
+ * step; this kernel streams each weight panel once per call, prefetching the next panel while
+ * the tile unit works on the current one, and costs little to call (bench/FIGURES.md).
+ *
+ * Weights are repacked once at start-up (amx_pack_weight, gemm_common.h) into the tile
+ * unit's VNNI layout: for each block of 16 output columns and 32 inputs, a 1 KB tile whose row k2 holds, for each
+ * of the 16 columns, the pair W[n][2 k2], W[n][2 k2 + 1]. Accumulation is float32 in the tiles;
+ * outputs are rounded to bfloat16 (nearest even), as oneDNN does; only the summation order
+ * differs. Threads (torch's OpenMP runtime) split the output columns.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gemm_common.h"
+
+/* Always compiled: the AVX-512 BF16 kernel (gemm_avx512.c) reads the same layout. */
+int amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
+    if (n % 16 != 0 || k % 32 != 0) return 1;
+    const int64_t kblocks = k / 32;
+    for (int64_t nb = 0; nb < n / 16; nb++)
+        for (int64_t kb = 0; kb < kblocks; kb++) {
+            uint16_t *tile = out + (nb * kblocks + kb) * GEMM_TILE_ELEMS;
+            for (int k2 = 0; k2 < 16; k2++)
+                for (int col = 0; col < 16; col++) {
+                    const uint16_t *src = w + (nb * 16 + col) * k + kb * 32 + 2 * k2;
+                    tile[k2 * 32 + 2 * col] = src[0];
+                    tile[k2 * 32 + 2 * col + 1] = src[1];
+                }
+        }
+    return 0;
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <immintrin.h>
+
+#include "x86_common.h"
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define TILE_ELEMS GEMM_TILE_ELEMS     /* 16 rows x 32 bf16: one packed weight tile */
+#define MAX_ROW_BLOCKS 4              /* 4 x 16 rows: M <= 64 */
+#define ARCH_REQ_XCOMP_PERM 0x1023    /* Linux: ask for the AMX tile state */
+#define XFEATURE_XTILEDATA 18
+
+/* Linux grants the 8 KB tile state per process on request; 1 = granted. */
+static int amx_permitted(void) {
+    static int state = 0; /* 0 unknown, 1 yes, -1 no; first asked outside parallel regions */
+    if (state == 0)
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+int amx_available(void) { return amx_permitted(); }
+
+/* Tile use (configure_full_tiles): 0-3 accumulators of row blocks 0-3; 4 and 6: x row blocks;
+ * 5 and 7: weight tiles. */
+
+/* Into L2 (T1), not L1: a panel ahead is up to ~36 KB, most of L1, and fetching it into L1
+ * evicted the current panel (T1 was faster at M = 16-64: bench/FIGURES.md). */
+ALWAYS_INLINE void prefetch_tile(const uint16_t *tile) {
+    for (int line = 0; line < 16; line++)
+        _mm_prefetch((const char *)(tile + line * 32), _MM_HINT_T1);
+}
+
+/* acc[rb] += x rows of block rb, inputs of k block KB, times weight tile WT (x tiles 4 and 6
+ * alternate so that a load need not wait for the product before it). */
+#define ROW_PRODUCTS(KB, WT)                                                        \
+    do {                                                                           \
+        _tile_loadd(4, x + (KB) * 32, x_stride_bytes);                             \
+        _tile_dpbf16ps(0, 4, WT);                                                  \
+        if (ROW_BLOCKS > 1) {                                                      \
+            _tile_loadd(6, x + block_rows + (KB) * 32, x_stride_bytes);            \
+            _tile_dpbf16ps(1, 6, WT);                                              \
+        }                                                                          \
+        if (ROW_BLOCKS > 2) {                                                      \
+            _tile_loadd(4, x + 2 * block_rows + (KB) * 32, x_stride_bytes);        \
+            _tile_dpbf16ps(2, 4, WT);                                              \
+        }                                                                          \
+        if (ROW_BLOCKS > 3) {                                                      \
+            _tile_loadd(6, x + 3 * block_rows + (KB) * 32, x_stride_bytes);        \
+            _tile_dpbf16ps(3, 6, WT);                                              \
+        }                                                                          \
+    } while (0)
+
+/* One block of 16 output columns for all (padded) rows: float32 sums into acc[rb][16][16]. */
+ALWAYS_INLINE void column_block(const uint16_t *x, int64_t x_stride_bytes, int64_t kblocks,
+                                const uint16_t *panel, const uint16_t *next_panel,
+                                float (*acc)[16][16], int ROW_BLOCKS) {
+    const int64_t block_rows = 16 * x_stride_bytes / 2; /* elements to the next row block */
+    _tile_zero(0);
+    if (ROW_BLOCKS > 1) _tile_zero(1);
+    if (ROW_BLOCKS > 2) _tile_zero(2);
+    if (ROW_BLOCKS > 3) _tile_zero(3);
+    /* Two weight tiles (5 and 7) in turn: the next one loads while the products of the
+     * current one run. kblocks is even for every K that is a multiple of 64. */
+    int64_t kb = 0;
+    for (; kb + 1 < kblocks; kb += 2) {
+        _tile_loadd(5, panel + kb * TILE_ELEMS, 64);
+        _tile_loadd(7, panel + (kb + 1) * TILE_ELEMS, 64);
+        if (next_panel) {
+            prefetch_tile(next_panel + kb * TILE_ELEMS);
+            prefetch_tile(next_panel + (kb + 1) * TILE_ELEMS);
+        }
+        ROW_PRODUCTS(kb, 5);
+        ROW_PRODUCTS(kb + 1, 7);
+    }
+    if (kb < kblocks) {
+        _tile_loadd(5, panel + kb * TILE_ELEMS, 64);
+        if (next_panel) prefetch_tile(next_panel + kb * TILE_ELEMS);
+        ROW_PRODUCTS(kb, 5);
+    }
+    _tile_stored(0, acc[0], 64);
+    if (ROW_BLOCKS > 1) _tile_stored(1, acc[1], 64);
+    if (ROW_BLOCKS > 2) _tile_stored(2, acc[2], 64);
+    if (ROW_BLOCKS > 3) _tile_stored(3, acc[3], 64);
+}
+
+static void store_rows(float (*acc)[16][16], int64_t rows, const uint16_t *bias, GemmOut out,
+                       int64_t col) {
+    for (int64_t r = 0; r < rows; r++)
+        gemm_store16(_mm512_loadu_ps(acc[r / 16][r % 16]), bias, out, r, col);
+}
+
+/* Two blocks of 16 output columns for one or two row blocks: each x tile feeds two products
+ * and each weight tile two (tiles: 0-3 sums [row][column], 4-5 x, 6-7 weights), half the x
+ * tile loads of column_block per product: what bounds the time once M > 16. */
+ALWAYS_INLINE void column_pair(const uint16_t *x, int64_t x_stride_bytes, int64_t kblocks,
+                               const uint16_t *panels, const uint16_t *next_panels,
+                               float (*acc)[16][16], int ROW_BLOCKS) {
+    const int64_t block_rows = 16 * x_stride_bytes / 2, panel = kblocks * TILE_ELEMS;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (ROW_BLOCKS > 1) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t kb = 0; kb < kblocks; kb++) {
+        _tile_loadd(6, panels + kb * TILE_ELEMS, 64);
+        _tile_loadd(7, panels + panel + kb * TILE_ELEMS, 64);
+        if (next_panels) {
+            prefetch_tile(next_panels + kb * TILE_ELEMS);
+            prefetch_tile(next_panels + panel + kb * TILE_ELEMS);
+        }
+        _tile_loadd(4, x + kb * 32, x_stride_bytes);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (ROW_BLOCKS > 1) {
+            _tile_loadd(5, x + block_rows + kb * 32, x_stride_bytes);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, acc[0], 64); /* acc[2 * row + column] */
+    _tile_stored(1, acc[1], 64);
+    if (ROW_BLOCKS > 1) {
+        _tile_stored(2, acc[2], 64);
+        _tile_stored(3, acc[3], 64);
+    }
+}
+
+/* Rows [0, rows) of a column pair's sums (acc[2 * row block + column block]) into out from
+ * row `row`, column `col`. */
+static void store_pair_rows(float (*acc)[16][16], int64_t rows, const uint16_t *bias,
+                            GemmOut out,
+                            int64_t row, int64_t col) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int c = 0; c < 2; c++)
+            gemm_store16(_mm512_loadu_ps(acc[2 * (r / 16) + c][r % 16]),
+                         bias ? bias + 16 * c : NULL, out, row + r, col + 16 * c);
+}
+
+/* M > 16: column pairs, row blocks two at a time (the pair's panels stay in L2 between). */
+static void linear_pairs(const uint16_t *x, int64_t stride_bytes, const uint16_t *packed,
+                         const uint16_t *bias, GemmOut out, int64_t m, int64_t kblocks,
+                         int row_blocks, int64_t first_pair, int64_t last_pair) {
+    float acc[4][16][16];
+    const int64_t pair_elems = 2 * kblocks * TILE_ELEMS, x_block = 16 * stride_bytes / 2;
+    for (int64_t cp = first_pair; cp < last_pair; cp++) {
+        const uint16_t *panels = packed + cp * pair_elems;
+        const uint16_t *next = cp + 1 < last_pair ? panels + pair_elems : NULL;
+        for (int rb = 0; rb < row_blocks; rb += 2) {
+            const uint16_t *xr = x + rb * x_block;
+            if (rb + 1 < row_blocks)
+                column_pair(xr, stride_bytes, kblocks, panels, rb == 0 ? next : NULL, acc, 2);
+            else
+                column_pair(xr, stride_bytes, kblocks, panels, rb == 0 ? next : NULL, acc, 1);
+            int64_t rows = m - 16 * rb < 32 ? m - 16 * rb : 32;
+            store_pair_rows(acc, rows, bias ? bias + cp * 32 : NULL, out, 16 * rb, cp * 32);
+        }
+    }
+}
+
+/* Whether amx_linear_bf16 takes this shape (and the CPU has AMX): N % 16 == 0, K % 32 == 0,
+ * and M <= 64 when N / 16 is odd (single column blocks hold at most 4 row blocks). */
+int amx_linear_supported(int64_t m, int64_t n, int64_t k) {
+    if (m < 1 || n % 16 != 0 || k % 32 != 0 || !amx_permitted()) return 0;
+    return (n / 16) % 2 == 0 || m <= 16 * MAX_ROW_BLOCKS;
+}
+
+/* This thread's share (thread `me` of `threads`) of the output columns. x has whole 16-row
+ * blocks readable (rows past m are read and their sums dropped). */
+static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                         const uint16_t *bias, GemmOut out, int64_t m, int64_t k, int me,
+                         int threads) {
+    const int64_t n = out.n;
+    const int64_t kblocks = k / 32, column_blocks = n / 16, stride_bytes = x_stride * 2;
+    const int row_blocks = (int)((m + 15) / 16);
+    float acc[MAX_ROW_BLOCKS][16][16];
+    configure_full_tiles();
+    if (column_blocks % 2 == 0) {
+        int64_t pairs = column_blocks / 2;
+        linear_pairs(x, stride_bytes, packed, bias, out, m, kblocks, row_blocks,
+                     pairs * me / threads, pairs * (me + 1) / threads);
+    } else {
+        int64_t first = column_blocks * me / threads, last = column_blocks * (me + 1) / threads;
+        for (int64_t cb = first; cb < last; cb++) {
+            const uint16_t *panel = packed + cb * kblocks * TILE_ELEMS;
+            const uint16_t *next = cb + 1 < last ? panel + kblocks * TILE_ELEMS : NULL;
+            switch (row_blocks) {
+            case 1: column_block(x, stride_bytes, kblocks, panel, next, acc, 1); break;
+            case 2: column_block(x, stride_bytes, kblocks, panel, next, acc, 2); break;
+            case 3: column_block(x, stride_bytes, kblocks, panel, next, acc, 3); break;
+            default: column_block(x, stride_bytes, kblocks, panel, next, acc, 4); break;
+            }
+            store_rows(acc, m, bias ? bias + cb * 16 : NULL, out, cb * 16);
+        }
+    }
+    _tile_release();
+}
+
+/* amx_linear_bf16 for every thread of an enclosing OpenMP team (decode_step.c), ending
+ * in a barrier. The caller checked amx_linear_supported and gives x whole 16-row blocks. */
+void amx_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                     const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k) {
+    const GemmOut rows = {out, n, 0, 0};
+    linear_share(x, x_stride, packed, bias, rows, m, k, omp_get_thread_num(),
+                 omp_get_num_threads());
+#pragma omp barrier
+}
+
+/* x: [m, k] bf16 rows x_stride elements apart; packed: amx_pack_weight of W [n, k]; bias: [n]
+ * bf16 or NULL; out: contiguous [m, n], bf16, or with out_f32 float32 (the bf16-rounded values
+ * widened). Returns 1 (nothing written) when unsupported. */
+int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                    const uint16_t *bias, void *out, int64_t m, int64_t n, int64_t k,
+                    int out_f32, int num_threads) {
+    if (!amx_linear_supported(m, n, k)) return 1;
+    /* Tile loads read whole 16-row blocks: copy x into a zero-padded buffer when m is not a
+     * multiple of 16 (a few KB: the rows of one decode step). */
+    uint16_t *padded = NULL;
+    if (m % 16 != 0) {
+        padded = calloc((size_t)((m + 15) / 16) * 16 * (size_t)k, sizeof(uint16_t));
+        if (!padded) return 1;
+        for (int64_t r = 0; r < m; r++) memcpy(padded + r * k, x + r * x_stride, (size_t)k * 2);
+        x = padded, x_stride = k;
+    }
+    const GemmOut rows = {out, n, out_f32, 0}; /* streaming untried on AMX (no AMX CPU here) */
+#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
+    linear_share(x, x_stride, packed, bias, rows, m, k, omp_get_thread_num(),
+                 omp_get_num_threads());
+    free(padded);
+    return 0;
+}
+
+#else /* no AMX at build time: callers keep oneDNN */
+
+int amx_available(void) { return 0; }
+int amx_linear_supported(int64_t m, int64_t n, int64_t k) { return 0; }
+void amx_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                     const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k) {}
+int amx_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                    const uint16_t *bias, void *out, int64_t m, int64_t n, int64_t k,
+                    int out_f32, int num_threads) {
+    return 1;
+}
+
+#endif

@@ -1,0 +1,187 @@
+/* Skinny bfloat16 GEMM with AVX-512 BF16 (VDPBF16PS) for CPUs without AMX:
+ * out[M, N] = x[M, K] . W[N, K]^T (+ bias), small M (decode steps, small prefills).
+ *
+ * Why: through torch each projection was one oneDNN call with its own fixed cost, a hundred
+ * and more per decode step, and the one-region decode step (decode_step.c) needs a GEMM it
+ * can call from inside its parallel region.
+ *
+ * The weight is the AMX kernel's packing (gemm_common.h): per 16-column block, each input
+ * pair is 64 bytes, exactly one zmm operand of VDPBF16PS, so one packed copy serves both
+ * kernels. A micro-tile keeps R rows x C column blocks of float32 sums in registers (8 x 3:
+ * 24 of the 32 zmm); per input pair it loads C weight vectors, broadcasts R pairs of x and
+ * issues R * C VDPBF16PS. A thread walks its column groups one at a time, all row blocks of a
+ * group before the next (the group's panels stay in L2 after the first row block), and
+ * prefetches the next group's panels into L2 during the first row block. Threads (torch's
+ * OpenMP runtime) split the column groups, and the rows too where groups are fewer than
+ * threads.
+ * Each output row's sums run over the inputs in the same order whatever M is: a row gets the
+ * same bits in every batch. Accumulation is float32; outputs are rounded to bfloat16 (nearest
+ * even) after the bias, as the AMX kernel does.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "gemm_common.h"
+#include "team_ops.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <omp.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#ifndef TILE_ROWS /* -D overrides: for trying other tile shapes */
+#define TILE_ROWS 8 /* R: rows per micro-tile */
+#endif
+#ifndef GROUP
+#define GROUP 3 /* C: 16-column blocks per micro-tile */
+#endif
+
+ALWAYS_INLINE __m512bh x_pair(const uint16_t *x) { /* x[0], x[1] in every 32-bit lane */
+    int32_t pair;
+    memcpy(&pair, x, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+/* Rows row..row+R-1 times column blocks col_block..col_block+C-1 over all `pairs` input pairs,
+ * stored rounded. panel: the first block's packed panel (blocks `pairs` pairs apart);
+ * next: panels to prefetch into L2 (NULL: none). */
+ALWAYS_INLINE void micro_tile(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
+                              const uint16_t *next, int64_t pairs, const uint16_t *bias,
+                              GemmOut out, int64_t row, int64_t col_block, int R, int C) {
+    const int64_t panel_elems = pairs * GEMM_PAIR_ELEMS;
+    __m512 acc[8][GROUP]; /* 8: the most rows column_group asks for */
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh w[GROUP];
+        for (int c = 0; c < C; c++)
+            w[c] = (__m512bh)_mm512_loadu_si512(panel + c * panel_elems + p * GEMM_PAIR_ELEMS);
+        if (next)
+            for (int c = 0; c < C; c++)
+                _mm_prefetch((const char *)(next + c * panel_elems + p * GEMM_PAIR_ELEMS),
+                             _MM_HINT_T1);
+        for (int r = 0; r < R; r++) {
+            const __m512bh xr = x_pair(x + r * x_stride + 2 * p);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xr, w[c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            gemm_store16(acc[r][c], bias ? bias + (col_block + c) * 16 : NULL, out, row + r,
+                         (col_block + c) * 16);
+}
+
+/* Rows row..row+rows-1 of column blocks col_block..col_block+C-1: whole 8-row tiles, then the
+ * rest. */
+ALWAYS_INLINE void column_group(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
+                                const uint16_t *next, int64_t pairs, const uint16_t *bias,
+                                GemmOut out, int64_t row, int64_t rows, int64_t col_block, int C) {
+    const int64_t end = row + rows;
+    for (; row + TILE_ROWS <= end; row += TILE_ROWS, next = NULL)
+        micro_tile(x + row * x_stride, x_stride, panel, next, pairs, bias, out, row, col_block,
+                   TILE_ROWS, C);
+    const uint16_t *xr = x + row * x_stride;
+    switch (end - row) { /* constant R: the sums stay in registers */
+    case 1: micro_tile(xr, x_stride, panel, next, pairs, bias, out, row, col_block, 1, C); break;
+    case 2: micro_tile(xr, x_stride, panel, next, pairs, bias, out, row, col_block, 2, C); break;
+    case 3: micro_tile(xr, x_stride, panel, next, pairs, bias, out, row, col_block, 3, C); break;
+    case 4: micro_tile(xr, x_stride, panel, next, pairs, bias, out, row, col_block, 4, C); break;
+    case 5: micro_tile(xr, x_stride, panel, next, pairs, bias, out, row, col_block, 5, C); break;
+    case 6: micro_tile(xr, x_stride, panel, next, pairs, bias, out, row, col_block, 6, C); break;
+    case 7: micro_tile(xr, x_stride, panel, next, pairs, bias, out, row, col_block, 7, C); break;
+    default: break;
+    }
+}
+
+static void full_group(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
+                       const uint16_t *next, int64_t pairs, const uint16_t *bias, GemmOut out,
+                       int64_t row, int64_t rows, int64_t col_block) {
+    column_group(x, x_stride, panel, next, pairs, bias, out, row, rows, col_block, GROUP);
+}
+
+/* A narrower last group (N / 16 not a multiple of GROUP): one block at a time. */
+static void single_block(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
+                         int64_t pairs, const uint16_t *bias, GemmOut out, int64_t row,
+                         int64_t rows, int64_t col_block) {
+    column_group(x, x_stride, panel, NULL, pairs, bias, out, row, rows, col_block, 1);
+}
+
+int avx512_bf16_available(void) { return 1; }
+
+/* The shapes the packing takes: N % 16 == 0, K % 32 == 0; any M >= 1. */
+int avx512_linear_supported(int64_t m, int64_t n, int64_t k) {
+    return m >= 1 && n >= 16 && k >= 32 && n % 16 == 0 && k % 32 == 0;
+}
+
+/* Thread `me` of `threads`: its share of the work items, column groups (the last may be
+ * narrower) times row parts. Rows are split only when there are fewer groups than threads
+ * (many cores, narrow projections): a group's weights are then read by several threads. */
+static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                         const uint16_t *bias, GemmOut out, int64_t m, int64_t k, int me,
+                         int threads) {
+    const int64_t pairs = k / 2, panel_elems = pairs * GEMM_PAIR_ELEMS, blocks = out.n / 16;
+    const int64_t groups = (blocks + GROUP - 1) / GROUP;
+    const int64_t row_tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+    int64_t parts = (threads + groups - 1) / groups;
+    parts = parts < row_tiles ? parts : row_tiles;
+    const int64_t items = groups * parts;
+    const int64_t first = items * me / threads, last = items * (me + 1) / threads;
+    for (int64_t item = first; item < last; item++) {
+        const int64_t g = item / parts, part = item % parts;
+        const int64_t row = row_tiles * part / parts * TILE_ROWS;
+        const int64_t end = row_tiles * (part + 1) / parts * TILE_ROWS;
+        const int64_t rows = (end < m ? end : m) - row;
+        const int64_t block = g * GROUP, width = blocks - block < GROUP ? blocks - block : GROUP;
+        const uint16_t *panel = packed + block * panel_elems;
+        const uint16_t *next = parts == 1 && item + 1 < last && blocks - block - GROUP >= GROUP
+                                   ? panel + GROUP * panel_elems
+                                   : NULL;
+        if (width == GROUP)
+            full_group(x, x_stride, panel, next, pairs, bias, out, row, rows, block);
+        else
+            for (int64_t b = 0; b < width; b++)
+                single_block(x, x_stride, panel + b * panel_elems, pairs, bias, out, row, rows,
+                             block + b);
+    }
+}
+
+/* avx512_linear_bf16 (bf16 output) for every thread of an enclosing OpenMP team
+ * (decode_step.c), ending in a barrier. The caller checked avx512_linear_supported. */
+void avx512_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                        const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k) {
+    const GemmOut rows = {out, n, 0, 0};
+    linear_share(x, x_stride, packed, bias, rows, m, k, omp_get_thread_num(),
+                 omp_get_num_threads());
+#pragma omp barrier
+}
+
+/* x: [m, k] bf16 rows x_stride elements apart; packed: amx_pack_weight of W [n, k]; bias: [n]
+ * bf16 or NULL; out: contiguous [m, n], bf16, or with out_f32 float32 (the bf16-rounded values
+ * widened). Returns 1 (nothing written) when unsupported. */
+int avx512_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                       const uint16_t *bias, void *out, int64_t m, int64_t n, int64_t k,
+                       int out_f32, int num_threads) {
+    if (!avx512_linear_supported(m, n, k)) return 1;
+    const GemmOut rows = {out, n, out_f32, gemm_streams(out, m, n, out_f32)};
+#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
+    {
+        linear_share(x, x_stride, packed, bias, rows, m, k, omp_get_thread_num(),
+                     omp_get_num_threads());
+        if (rows.stream) _mm_sfence(); /* streamed lines visible before the region ends */
+    }
+    return 0;
+}
+
+#else /* no AVX-512 BF16 at build time: callers keep oneDNN or F.linear */
+
+int avx512_bf16_available(void) { return 0; }
+int avx512_linear_supported(int64_t m, int64_t n, int64_t k) { return 0; }
+void avx512_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                        const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k) {}
+int avx512_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                       const uint16_t *bias, void *out, int64_t m, int64_t n, int64_t k,
+                       int out_f32, int num_threads) {
+    return 1;
+}
+
+#endif

@@ -1,0 +1,64 @@
+/* What the two skinny bfloat16 GEMMs share (gemm_amx.c on the tile unit, gemm_avx512.c
+ * with VDPBF16PS): the packed weight layout and the rounding of the float32 sums.
+ *
+ * Packed layout (amx_pack_weight, always compiled): for each block of 16 output columns, the
+ * input pairs in order, each pair as 16 columns x (W[n][2 p], W[n][2 p + 1]): 64 bytes, which
+ * is one row of an AMX weight tile and one zmm operand of VDPBF16PS alike. 16 pairs (32
+ * inputs) make one 1 KB tile; a column block's pairs are contiguous (its "panel").
+ */
+#ifndef PAGEDGEN_CPU_GEMM_COMMON_H
+#define PAGEDGEN_CPU_GEMM_COMMON_H
+
+#include <stdint.h>
+
+#define GEMM_TILE_ELEMS 512 /* 16 pairs x 16 columns x 2 bf16: one packed weight tile */
+#define GEMM_PAIR_ELEMS 32  /* one input pair of a 16-column block */
+
+/* w: [n, k] bf16 -> out (n * k elements) in the layout above; 1 (nothing written) unless
+ * n % 16 == 0 and k % 32 == 0. */
+int amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out);
+
+/* The [m, n] output: bf16, or float32 holding the same bf16-rounded values (the LM head's
+ * logits, which the sampler wants in float32: one pass over them less). stream: float32 rows
+ * written with non-temporal stores (64-byte aligned data only): an LM head's logits over a
+ * large vocabulary are far larger than the caches and read once, later, by the sampler, so
+ * reading each line before writing it (and evicting the weights) only costs bandwidth. */
+typedef struct {
+    void *data;
+    int64_t n;
+    int f32;
+    int stream;
+} GemmOut;
+
+/* Float32 outputs at least this large are streamed (see GemmOut.stream). */
+#define GEMM_STREAM_MIN_BYTES (8 << 20)
+
+static inline int gemm_streams(const void *out, int64_t m, int64_t n, int out_f32) {
+    return out_f32 && m * n * 4 >= GEMM_STREAM_MIN_BYTES && ((uintptr_t)out & 63) == 0;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* 16 float32 sums (+ bias, added in float32 before the one rounding, as oneDNN does) -> bf16
+ * rounded to nearest even, into row `row`, columns col..col+15 of out. */
+static inline __attribute__((always_inline)) void gemm_store16(__m512 sums, const uint16_t *bias,
+                                                               GemmOut out, int64_t row,
+                                                               int64_t col) {
+    if (bias) {
+        __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bias));
+        sums = _mm512_add_ps(sums, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
+    __m256i rounded = (__m256i)_mm512_cvtneps_pbh(sums);
+    if (out.stream) /* n % 16 == 0 and col % 16 == 0: every row start stays 64-byte aligned */
+        _mm512_stream_si512((__m512i *)((float *)out.data + row * out.n + col),
+                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+    else if (out.f32)
+        _mm512_storeu_si512((float *)out.data + row * out.n + col,
+                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+    else
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out.data + row * out.n + col), rounded);
+}
+#endif
+
+#endif

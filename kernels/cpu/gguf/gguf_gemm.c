@@ -1,0 +1,457 @@
+/* y = x @ W^T with W kept in GGUF's packed blocks, and row look-ups (dequantize) of W.
+ *
+ * One source, compiled three times by build.py with different target flags: the dot product
+ * below picks AVX-512 VNNI, AVX2 or plain C by what the compiler was told it may use, so each
+ * library is exactly one path and the AVX2 and portable ones can be tested on any x86 CPU.
+ *
+ * How a product is formed (the same for every weight type):
+ *  - activations: each row of x is quantized in blocks of 32 to int8 with one float scale
+ *    d_a = amax/127 per block, and the float sums d_a * sum(q) of each half-block of 16 are
+ *    kept (they carry the weights' offsets and minimums, as llama.cpp's Q8_1 sums do);
+ *  - weights: a tile of rows is unpacked once into unsigned codes (0..15, 0..31, 0..63, or the
+ *    signed int8 of Q8_0), one float scale per 16 codes and one float "bias" per 16 codes, so
+ *    that w = scale * code + bias / (value of the half-block's activation sum) holds:
+ *    w_j = scale * code_j + offset, and sum_j w_j x_j = scale * dot(code, q) * d_a
+ *                                                       + offset * d_a * sum(q);
+ *  - the int8 dot products run on the unpacked tile for every activation row, so unpacking
+ *    is paid once per tile, not once per row of x.
+ * Every type's weights become (code, scale, offset) per 16 values: Q6_K's scales really are
+ * per 16; for the others the two halves of a 32-block share theirs.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define GGUF_PATH "avx512_vnni"
+#elif defined(__AVX2__)
+#define GGUF_PATH "avx2"
+#else
+#define GGUF_PATH "portable"
+#endif
+
+enum {  /* ggml's type numbers, as stored in the file */
+    T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14,
+};
+#define TILE_ROWS 8  /* weight rows unpacked together; their codes stay in L1 across x's rows */
+#define RESIDUAL 254  /* second activation code's step: the first's / RESIDUAL */
+#define SMALL_PRODUCT (1 << 18)  /* multiply-adds below which one thread does the whole GEMM */
+
+const char *gguf_path_name(void) { return GGUF_PATH; }
+
+/* 1 when this CPU can run the library's path (the portable library answers for all three). */
+int gguf_cpu_supports(int path) {
+    __builtin_cpu_init();
+    switch (path) {
+    case 0: return 1;
+    case 1: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                   __builtin_cpu_supports("f16c");
+    case 2: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                   __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    default: return 0;
+    }
+}
+
+#if defined(__F16C__)
+static inline float half_to_float(const uint8_t *p) {
+    return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8)));
+}
+#else
+static float half_to_float(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    uint32_t bits;
+    if (exponent == 0) {  /* zero or subnormal: mantissa * 2^-24 */
+        float value = (float)mantissa * (1.0f / 16777216.0f);
+        return sign ? -value : value;
+    }
+    if (exponent == 31) bits = sign | 0x7f800000u | (mantissa << 13);
+    else bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+#endif
+
+static float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+static uint16_t float_to_bf16(float value) {  /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* ---- weight blocks -> codes, per-16 scales and offsets ------------------------------------ */
+
+typedef struct {
+    uint8_t *codes;  /* K codes (int8 for Q8_0, stored in the same bytes) */
+    float *scale;    /* K/16 */
+    float *offset;   /* K/16 */
+} UnpackedRow;
+
+static int block_values(int type) { return type >= T_Q4_K ? 256 : 32; }
+
+static int block_bytes(int type) {
+    switch (type) {
+    case T_Q4_0: return 18;  case T_Q4_1: return 20;  case T_Q5_0: return 22;
+    case T_Q5_1: return 24;  case T_Q8_0: return 34;  case T_Q4_K: return 144;
+    case T_Q5_K: return 176; case T_Q6_K: return 210; default: return 0;
+    }
+}
+
+static void set_pair(UnpackedRow *row, int64_t half, float scale, float offset) {
+    row->scale[half] = row->scale[half + 1] = scale;
+    row->offset[half] = row->offset[half + 1] = offset;
+}
+
+#if defined(__AVX2__)
+/* n bytes -> their low nibbles at codes[0..n), high nibbles at codes[n..2n); n = 16 or 32 */
+static inline void split_nibbles(uint8_t *codes, const uint8_t *qs, int n) {
+    if (n == 32) {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)qs), low = _mm256_set1_epi8(15);
+        _mm256_storeu_si256((__m256i *)codes, _mm256_and_si256(raw, low));
+        _mm256_storeu_si256((__m256i *)(codes + 32),
+                            _mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
+        return;
+    }
+    __m128i raw = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(15);
+    _mm_storeu_si128((__m128i *)codes, _mm_and_si128(raw, low));
+    _mm_storeu_si128((__m128i *)(codes + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), low));
+}
+
+/* 32 bits -> 32 bytes, byte j = 16 where bit j is set: each byte picks its source byte of the
+ * word, keeps its own bit, and a compare turns that into all ones. */
+static inline __m256i bits_to_sixteens(uint32_t bits) {
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick);
+    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+#else
+static void split_nibbles(uint8_t *codes, const uint8_t *qs, int n) {
+    for (int j = 0; j < n; j++) { codes[j] = qs[j] & 15; codes[j + n] = qs[j] >> 4; }
+}
+#endif
+
+static void nibbles(uint8_t *codes, const uint8_t *qs) {  /* low nibbles, then high nibbles */
+    split_nibbles(codes, qs, 16);
+}
+
+static void fifth_bits(uint8_t *codes, const uint8_t *qh_bytes) {
+    uint32_t qh = (uint32_t)qh_bytes[0] | (uint32_t)qh_bytes[1] << 8 |
+                  (uint32_t)qh_bytes[2] << 16 | (uint32_t)qh_bytes[3] << 24;
+#if defined(__AVX2__)
+    __m256i old = _mm256_loadu_si256((const __m256i *)codes);
+    _mm256_storeu_si256((__m256i *)codes, _mm256_or_si256(old, bits_to_sixteens(qh)));
+#else
+    for (int j = 0; j < 32; j++) codes[j] |= (uint8_t)(((qh >> j) & 1u) << 4);
+#endif
+}
+
+/* Q4_K/Q5_K: 8 scales and 8 mins of 6 bits packed into 12 bytes (ggml's get_scale_min_k4). */
+static void scale_min_k4(int j, const uint8_t *q, int *scale, int *min) {
+    if (j < 4) { *scale = q[j] & 63; *min = q[j + 4] & 63; }
+    else {
+        *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+static void unpack_small_block(int type, const uint8_t *b, UnpackedRow *row, int64_t block) {
+    uint8_t *codes = row->codes + block * 32;
+    float d = half_to_float(b);
+    switch (type) {
+    case T_Q4_0: nibbles(codes, b + 2); set_pair(row, 2 * block, d, -8.0f * d); break;
+    case T_Q4_1: nibbles(codes, b + 4); set_pair(row, 2 * block, d, half_to_float(b + 2)); break;
+    case T_Q5_0: nibbles(codes, b + 6); fifth_bits(codes, b + 2);
+                 set_pair(row, 2 * block, d, -16.0f * d); break;
+    case T_Q5_1: nibbles(codes, b + 8); fifth_bits(codes, b + 4);
+                 set_pair(row, 2 * block, d, half_to_float(b + 2)); break;
+    case T_Q8_0: memcpy(codes, b + 2, 32); set_pair(row, 2 * block, d, 0.0f); break;
+    }
+}
+
+static void unpack_k4_k5(int type, const uint8_t *b, UnpackedRow *row, int64_t block) {
+    uint8_t *codes = row->codes + block * 256;
+    float d = half_to_float(b), dmin = half_to_float(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (type == T_Q5_K ? 48 : 16);
+    for (int chunk = 0; chunk < 4; chunk++)  /* 64 values: low nibbles then high nibbles */
+        split_nibbles(codes + 64 * chunk, qs + 32 * chunk, 32);
+    if (type == T_Q5_K)  /* bit 2c of qh[l] tops value l of chunk c, bit 2c+1 value 32 + l */
+        for (int chunk = 0; chunk < 4; chunk++)
+            for (int l = 0; l < 32; l++) {
+                codes[64 * chunk + l] |= (uint8_t)(((qh[l] >> (2 * chunk)) & 1) << 4);
+                codes[64 * chunk + 32 + l] |= (uint8_t)(((qh[l] >> (2 * chunk + 1)) & 1) << 4);
+            }
+    for (int sub = 0; sub < 8; sub++) {
+        int scale, min;
+        scale_min_k4(sub, scales, &scale, &min);
+        set_pair(row, block * 16 + 2 * sub, d * (float)scale, -dmin * (float)min);
+    }
+}
+
+static void unpack_q6_k(const uint8_t *b, UnpackedRow *row, int64_t block) {
+    uint8_t *codes = row->codes + block * 256;
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *scales = (const int8_t *)(b + 192);
+    float d = half_to_float(b + 208);
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *l4 = ql + 64 * half, *h2 = qh + 32 * half;
+        uint8_t *out = codes + 128 * half;
+        for (int l = 0; l < 32; l++) {
+            out[l] = (uint8_t)((l4[l] & 15) | ((h2[l] & 3) << 4));
+            out[l + 32] = (uint8_t)((l4[l + 32] & 15) | (((h2[l] >> 2) & 3) << 4));
+            out[l + 64] = (uint8_t)((l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4));
+            out[l + 96] = (uint8_t)((l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4));
+        }
+    }
+    for (int j = 0; j < 16; j++) {  /* the 16 scales are in value order, one per 16 values */
+        float scale = d * (float)scales[j];
+        row->scale[block * 16 + j] = scale;
+        row->offset[block * 16 + j] = -32.0f * scale;
+    }
+}
+
+static void unpack_row(int type, const uint8_t *w, int64_t k, UnpackedRow *row) {
+    int64_t blocks = k / block_values(type);
+    int size = block_bytes(type);
+    for (int64_t block = 0; block < blocks; block++) {
+        const uint8_t *b = w + block * size;
+        if (type == T_Q6_K) unpack_q6_k(b, row, block);
+        else if (type == T_Q4_K || type == T_Q5_K) unpack_k4_k5(type, b, row, block);
+        else unpack_small_block(type, b, row, block);
+    }
+}
+
+/* ---- activations: int8 per block of 32 ----------------------------------------------------- */
+
+static float load_x(const void *x, int bf16, int64_t index) {
+    return bf16 ? bf16_to_float(((const uint16_t *)x)[index]) : ((const float *)x)[index];
+}
+
+/* Two int8 codes per value: q1 = round(x / d) with d = amax / 127, then the remainder
+ * (|x - d q1| <= d / 2) coded again, q2 = round((x - d q1) / (d / RESIDUAL)); so
+ * x = (d / RESIDUAL) * (RESIDUAL q1 + q2) to within d / (2 RESIDUAL), near bf16's own
+ * rounding, where one int8 code alone flips a few percent of a small model's top-1 tokens.
+ * q: 2K int8, per block of 32 its q1 then its q2; scales: K/32 (d / RESIDUAL);
+ * sums: K/16 (the half-block's sum of decoded activations). */
+static void quantize_row(const void *x, int bf16, int64_t base, int64_t k, int8_t *q,
+                         float *scales, float *sums) {
+    float values[32];
+    for (int64_t block = 0; block < k / 32; block++) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) {
+            values[j] = load_x(x, bf16, base + block * 32 + j);
+            amax = fmaxf(amax, fabsf(values[j]));
+        }
+        float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum[2] = {0, 0};
+        int8_t *q1 = q + 64 * block, *q2 = q1 + 32;
+        for (int j = 0; j < 32; j++) {
+            int code = (int)lrintf(values[j] * inverse);
+            code = code > 127 ? 127 : code < -127 ? -127 : code;
+            int rest = (int)lrintf((values[j] - d * (float)code) * inverse * RESIDUAL);
+            rest = rest > 127 ? 127 : rest < -127 ? -127 : rest;
+            q1[j] = (int8_t)code;
+            q2[j] = (int8_t)rest;
+            sum[j >> 4] += RESIDUAL * code + rest;
+        }
+        scales[block] = d / (float)RESIDUAL;
+        sums[2 * block] = scales[block] * (float)sum[0];
+        sums[2 * block + 1] = scales[block] * (float)sum[1];
+    }
+}
+
+/* ---- the dot product of one unpacked weight row with one quantized activation row ---------- */
+
+#if defined(__AVX2__)
+static inline __m256i dot32_epi32(__m256i codes, __m256i q, int signed_codes) {
+    /* lanes 0-3 hold the first 16 products' sums, lanes 4-7 the second 16's */
+    if (signed_codes) {  /* u8 x s8 instructions: move the sign onto the activation side */
+        q = _mm256_sign_epi8(q, codes);
+        codes = _mm256_abs_epi8(codes);
+    }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, q);
+#else  /* codes <= 128 and |q| <= 127: the pair sums of maddubs cannot saturate */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q), _mm256_set1_epi16(1));
+#endif
+}
+
+static float dot_row(const UnpackedRow *w, const int8_t *q, const float *scales,
+                     const float *sums, int64_t k, int signed_codes) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t block = 0; block < k / 32; block++) {
+        __m256i codes = _mm256_loadu_si256((const __m256i *)(w->codes + 32 * block));
+        __m256i first = dot32_epi32(codes, _mm256_loadu_si256((const __m256i *)(q + 64 * block)),
+                                    signed_codes);
+        __m256i second = dot32_epi32(codes, _mm256_loadu_si256((const __m256i *)(q + 64 * block + 32)),
+                                     signed_codes);
+        /* RESIDUAL * first + second: |first| <= 4 * 255 * 127 per lane, far from overflow */
+        __m256i products = _mm256_add_epi32(_mm256_mullo_epi32(first, _mm256_set1_epi32(RESIDUAL)),
+                                            second);
+        __m256 halves = _mm256_set_m128(_mm_set1_ps(w->scale[2 * block + 1]),
+                                        _mm_set1_ps(w->scale[2 * block]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products),
+                              _mm256_mul_ps(halves, _mm256_set1_ps(scales[block])), acc);
+    }
+    int64_t halves = k / 16, j = 0;
+    for (; j + 8 <= halves; j += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(w->offset + j), _mm256_loadu_ps(sums + j), acc);
+    __m128 folded = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    folded = _mm_add_ps(folded, _mm_movehl_ps(folded, folded));
+    folded = _mm_add_ss(folded, _mm_movehdup_ps(folded));
+    float total = _mm_cvtss_f32(folded);
+    for (; j < halves; j++) total += w->offset[j] * sums[j];
+    return total;
+}
+#else
+static float dot_row(const UnpackedRow *w, const int8_t *q, const float *scales,
+                     const float *sums, int64_t k, int signed_codes) {
+    float total = 0.0f;
+    for (int64_t half = 0; half < k / 16; half++) {
+        const uint8_t *codes = w->codes + 16 * half;
+        const int8_t *q1 = q + 64 * (half / 2) + 16 * (half % 2), *q2 = q1 + 32;
+        int32_t first = 0, second = 0;
+        if (signed_codes)
+            for (int j = 0; j < 16; j++) {
+                first += (int8_t)codes[j] * q1[j];
+                second += (int8_t)codes[j] * q2[j];
+            }
+        else
+            for (int j = 0; j < 16; j++) { first += codes[j] * q1[j]; second += codes[j] * q2[j]; }
+        int32_t dot = RESIDUAL * first + second;
+        total += w->scale[half] * scales[half / 2] * (float)dot + w->offset[half] * sums[half];
+    }
+    return total;
+}
+#endif
+
+/* ---- entry points --------------------------------------------------------------------------- */
+
+static int check_shape(int type, int64_t k) {
+    return block_bytes(type) > 0 && k > 0 && k % block_values(type) == 0;
+}
+
+static const uint8_t *weight_row(const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
+                                 int64_t n) {
+    return w + (row_map ? row_map[n] : n) * row_bytes;
+}
+
+static int alloc_row(UnpackedRow *row, int64_t k) {
+    row->codes = malloc((size_t)k);
+    row->scale = malloc(sizeof(float) * (size_t)(k / 16));
+    row->offset = malloc(sizeof(float) * (size_t)(k / 16));
+    return row->codes && row->scale && row->offset;
+}
+
+static void free_row(UnpackedRow *row) { free(row->codes); free(row->scale); free(row->offset); }
+
+/* y[m, n] (float32, row stride y_stride) = sum_k x[m, k] * W[row_map[n] or n, k].
+ * w: the tensor's blocks, row_bytes apart; x: float32 or bf16 (x_bf16), row stride x_stride.
+ * Returns 0 done, 1 unsupported type or shape, 2 out of memory. */
+int gguf_gemm(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
+              int64_t n_rows, int64_t k, const void *x, int x_bf16, int64_t x_stride,
+              int64_t m_rows, float *y, int64_t y_stride, int threads) {
+    if (!check_shape(type, k)) return 1;
+    int8_t *q = malloc((size_t)(2 * m_rows * k));
+    float *scales = malloc(sizeof(float) * (size_t)(m_rows * (k / 32)));
+    float *sums = malloc(sizeof(float) * (size_t)(m_rows * (k / 16)));
+    int status = (q && scales && sums) ? 0 : 2;
+    int signed_codes = type == T_Q8_0;
+    if (threads < 1) threads = 1;
+    /* Small products run on the calling thread: a team's fork and join cost more there. */
+    if (m_rows * n_rows * k < SMALL_PRODUCT) threads = 1;
+    if (status == 0) {
+#pragma omp parallel num_threads(threads)
+        {  /* one region: quantize x, then (after the implicit barrier) the tiles */
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < m_rows; m++)
+                quantize_row(x, x_bf16, m * x_stride, k, q + 2 * m * k, scales + m * (k / 32),
+                             sums + m * (k / 16));
+            UnpackedRow tile[TILE_ROWS];
+            int ok = 1;
+            for (int r = 0; r < TILE_ROWS; r++) ok &= alloc_row(&tile[r], k);
+            if (!ok) {
+#pragma omp atomic write
+                status = 2;
+            }
+#pragma omp for schedule(static)
+            for (int64_t first = 0; first < n_rows; first += TILE_ROWS) {
+                if (!ok) continue;
+                int rows = (int)(n_rows - first < TILE_ROWS ? n_rows - first : TILE_ROWS);
+                for (int r = 0; r < rows; r++)
+                    unpack_row(type, weight_row(w, row_bytes, row_map, first + r), k, &tile[r]);
+                for (int64_t m = 0; m < m_rows; m++)
+                    for (int r = 0; r < rows; r++)
+                        y[m * y_stride + first + r] = dot_row(&tile[r], q + 2 * m * k,
+                                                              scales + m * (k / 32),
+                                                              sums + m * (k / 16), k, signed_codes);
+            }
+            for (int r = 0; r < TILE_ROWS; r++) free_row(&tile[r]);
+        }
+    }
+    free(q); free(scales); free(sums);
+    return status;
+}
+
+/* One unpacked row as values: scale * code + offset (the offset is per unit of activation in
+ * a product, so as a weight it is just added). Branch-free inner loops, so they vectorize. */
+static void write_values(const UnpackedRow *row, int64_t k, int signed_codes, void *out,
+                         int out_bf16, int64_t base) {
+    float values[16];
+    for (int64_t half = 0; half < k / 16; half++) {
+        const uint8_t *codes = row->codes + 16 * half;
+        float scale = row->scale[half], offset = row->offset[half];
+        if (signed_codes) for (int j = 0; j < 16; j++) values[j] = scale * (float)(int8_t)codes[j] + offset;
+        else for (int j = 0; j < 16; j++) values[j] = scale * (float)codes[j] + offset;
+        if (out_bf16) {
+            uint16_t *dst = (uint16_t *)out + base + 16 * half;
+            for (int j = 0; j < 16; j++) dst[j] = float_to_bf16(values[j]);
+        } else {
+            memcpy((float *)out + base + 16 * half, values, sizeof(values));
+        }
+    }
+}
+
+/* out[i, :] = W[row_map[i] or i, :] as float32 (out_bf16 = 0) or bf16 (rounded to nearest
+ * even), row stride out_stride elements: embedding look-ups and dequantized weight tiles. */
+int gguf_dequantize_rows(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
+                         int64_t n_rows, int64_t k, void *out, int out_bf16, int64_t out_stride,
+                         int threads) {
+    if (!check_shape(type, k)) return 1;
+    int status = 0;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        UnpackedRow row;
+        int ok = alloc_row(&row, k);
+        if (!ok) {
+#pragma omp atomic write
+            status = 2;
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n_rows; i++) {
+            if (!ok) continue;
+            unpack_row(type, weight_row(w, row_bytes, row_map, i), k, &row);
+            write_values(&row, k, type == T_Q8_0, out, out_bf16, i * out_stride);
+        }
+        free_row(&row);
+    }
+    return status;
+}

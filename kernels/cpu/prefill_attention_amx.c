@@ -1,0 +1,292 @@
+/* Causal attention of one prefill chunk on AMX tiles, flash-attention style (bfloat16).
+ *
+ * Why: torch's SDPA for bf16 on CPU runs far below what the tile unit does for the GEMMs of a
+ * prefill, its softmax exp the largest part, and prefill attention was a large share of a long
+ * prefill step of the default model (bench/FIGURES.md).
+ *
+ * The chunk's q_len queries sit at positions context_len - q_len .. context_len - 1 of a
+ * sequence whose K/V (context_len tokens, the chunk's own included) are in the paged cache.
+ * First K and V are packed, per kv head, into the tile unit's VNNI layout (K^T tiles of 16
+ * keys x 32 dims, V tiles of 32 keys x 16 dims, zero past the context). Then each work item,
+ * 16 query rows of one query head, walks the keys in blocks of 32 up to its causal limit:
+ * S = Q K^T on tiles, an online softmax in float32 (exp written out, as in the decode kernel),
+ * P rounded to bf16 (as GPU flash attention does) and O += P V on tiles, O rescaled in float32.
+ * Layouts: q rows q_stride elements apart, heads and head_dim contiguous (a view of the fused
+ * QKV output); K/V cache [N, block_size, H_kv, D]; out contiguous [q_len, H_q, D].
+ */
+#include <float.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "team_ops.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include "x86_common.h"
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define TILE_ELEMS 512 /* 16 rows x 64 bytes of bf16 */
+#define KEYS 32        /* keys per step: two score tiles, one P tile */
+#define MAX_DIM 128
+
+/* Tile use (configure_full_tiles): 0, 1 the scores of keys 0-15 and 16-31, then with 2 and 3
+ * the P V products of 4 x 16 dims; 4: Q (per 32 dims) or P; 5, 6: K^T or V. */
+
+typedef struct {
+    const uint16_t *q, *k_cache, *v_cache;
+    const int64_t *table;
+    uint16_t *out;
+    int64_t q_stride, context_len, q_len;
+    int num_q_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    int64_t key_blocks;         /* ceil(context_len / KEYS) */
+    uint16_t *k_tiles, *v_tiles; /* packed, per kv head */
+} Chunk;
+
+ALWAYS_INLINE const uint16_t *cache_row(const Chunk *c, const uint16_t *cache, int64_t key, int kv) {
+    const int64_t block = c->table[key / c->block_size], offset = key % c->block_size;
+    return cache + ((block * c->block_size + offset) * c->num_kv_heads + kv) * c->head_dim;
+}
+
+/* K^T tile (kv, 16-key block b, 32-dim block i): row r, column n = the pair
+ * K[16 b + n][32 i + 2 r], K[16 b + n][32 i + 2 r + 1]; zero past the context. */
+static uint16_t *k_tile(const Chunk *c, int kv, int64_t b, int i) {
+    const int64_t per_head = c->key_blocks * 2 * (c->head_dim / 32);
+    return c->k_tiles + ((kv * per_head) + b * (c->head_dim / 32) + i) * TILE_ELEMS;
+}
+
+/* V tile (kv, 32-key block j, 16-dim block d): row r, column n = the pair
+ * V[32 j + 2 r][16 d + n], V[32 j + 2 r + 1][16 d + n]. */
+static uint16_t *v_tile(const Chunk *c, int kv, int64_t j, int d) {
+    const int64_t per_head = c->key_blocks * (c->head_dim / 16);
+    return c->v_tiles + ((kv * per_head) + j * (c->head_dim / 16) + d) * TILE_ELEMS;
+}
+
+static void pack_keys(const Chunk *c, int kv, int64_t j) {
+    for (int64_t half = 0; half < 2; half++) {
+        const int64_t b = 2 * j + half;
+        for (int i = 0; i < c->head_dim / 32; i++) {
+            uint32_t *tile = (uint32_t *)k_tile(c, kv, b, i);
+            for (int n = 0; n < 16; n++) {
+                const int64_t key = 16 * b + n;
+                if (key >= c->context_len) {
+                    for (int r = 0; r < 16; r++) tile[r * 16 + n] = 0;
+                    continue;
+                }
+                const uint16_t *row = cache_row(c, c->k_cache, key, kv) + 32 * i;
+                for (int r = 0; r < 16; r++) memcpy(tile + r * 16 + n, row + 2 * r, 4);
+            }
+        }
+    }
+}
+
+static void pack_values(const Chunk *c, int kv, int64_t j) {
+    static const uint16_t zeros[MAX_DIM];
+    for (int r = 0; r < 16; r++) {
+        const int64_t key = KEYS * j + 2 * r;
+        const uint16_t *even = key < c->context_len ? cache_row(c, c->v_cache, key, kv) : zeros;
+        const uint16_t *odd = key + 1 < c->context_len ? cache_row(c, c->v_cache, key + 1, kv)
+                                                       : zeros;
+        for (int d = 0; d < c->head_dim / 16; d++) {
+            uint16_t *tile = v_tile(c, kv, j, d) + r * 32;
+            for (int n = 0; n < 16; n++) {
+                tile[2 * n] = even[16 * d + n];
+                tile[2 * n + 1] = odd[16 * d + n];
+            }
+        }
+    }
+}
+
+/* Running state of 16 query rows: output sums, row maxima (raw scores) and the sums of p
+ * (kept as 16 partial sums per row, added up at the end). */
+typedef struct {
+    float out[16][MAX_DIM];
+    float max[16];
+    __m512 sum[16];
+} RowState;
+
+/* scores [16][32] (raw) of the key block starting at `key0` -> P (bf16) for the tile, with the
+ * causal mask (key <= position of the row) where the block reaches past the first row's
+ * position, and the online-softmax update of the row state; rescale[r]: the factor for the
+ * row's old output sums. */
+ALWAYS_INLINE void softmax_step(float (*scores)[KEYS], int64_t key0, int64_t first_pos,
+                                float scale, RowState *state, uint16_t (*p)[KEYS],
+                                float *rescale) {
+    const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 factor = _mm512_set1_ps(scale);
+    const int masked = key0 + KEYS - 1 > first_pos;
+    float old_max[16];
+    __m512 block_sum[16];
+    for (int r = 0; r < 16; r++) {
+        __m512 s0 = _mm512_loadu_ps(scores[r]), s1 = _mm512_loadu_ps(scores[r] + 16);
+        __mmask16 keep0 = 0xffff, keep1 = 0xffff;
+        if (masked) {
+            const __m512 limit = _mm512_set1_ps((float)(first_pos + r - key0));
+            keep0 = _mm512_cmp_ps_mask(lanes, limit, _CMP_LE_OQ);
+            keep1 = _mm512_cmp_ps_mask(_mm512_add_ps(lanes, _mm512_set1_ps(16.0f)), limit,
+                                       _CMP_LE_OQ);
+            s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), keep0, s0);
+            s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), keep1, s1);
+        }
+        float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+        old_max[r] = state->max[r];
+        float new_max = block_max > old_max[r] ? block_max : old_max[r];
+        state->max[r] = new_max;
+        __m512 m = _mm512_set1_ps(new_max);
+        __m512 e0 = _mm512_maskz_mov_ps(keep0, exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(s0, m), factor)));
+        __m512 e1 = _mm512_maskz_mov_ps(keep1, exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(s1, m), factor)));
+        block_sum[r] = _mm512_add_ps(e0, e1);
+        _mm256_storeu_si256((__m256i *)p[r], (__m256i)_mm512_cvtneps_pbh(e0));
+        _mm256_storeu_si256((__m256i *)(p[r] + 16), (__m256i)_mm512_cvtneps_pbh(e1));
+    }
+    /* all 16 rows' factors exp(scale (old - new)) in one vector; 0 before any key (old -inf) */
+    __m512 old = _mm512_loadu_ps(old_max), now = _mm512_loadu_ps(state->max);
+    __m512 alpha = exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(old, now), factor));
+    alpha = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(old, _mm512_set1_ps(-FLT_MAX), _CMP_NEQ_OQ),
+                                alpha);
+    _mm512_storeu_ps(rescale, alpha);
+    for (int r = 0; r < 16; r++)
+        state->sum[r] = _mm512_fmadd_ps(state->sum[r], _mm512_set1_ps(rescale[r]), block_sum[r]);
+}
+
+#define PV_PRODUCT(C, V, D)                            \
+    do {                                               \
+        _tile_zero(C);                                 \
+        _tile_loadd(V, v_tile(c, kv, j, D), 64);       \
+        _tile_dpbf16ps(C, 4, V);                       \
+    } while (0)
+
+/* 16 query rows (from `row0` of the chunk) of query head `head`. */
+static void attend_rows(const Chunk *c, int head, int64_t row0, RowState *state) {
+    const int kv = head / (c->num_q_heads / c->num_kv_heads), NV = c->head_dim / 32;
+    const int ND = c->head_dim / 16;
+    const int64_t rows = c->q_len - row0 < 16 ? c->q_len - row0 : 16;
+    const int64_t first_pos = c->context_len - c->q_len + row0;
+    /* the query block, zero-padded: tile loads read all 16 rows */
+    uint16_t q[16][MAX_DIM];
+    memset(q, 0, sizeof q);
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(q[r], c->q + (row0 + r) * c->q_stride + (int64_t)head * c->head_dim,
+               (size_t)c->head_dim * 2);
+    for (int r = 0; r < 16; r++) {
+        state->max[r] = -FLT_MAX;
+        state->sum[r] = _mm512_setzero_ps();
+        memset(state->out[r], 0, sizeof(float) * c->head_dim);
+    }
+    float scores[16][KEYS], rescale[16], pv[16][64];
+    uint16_t p[16][KEYS];
+    const int64_t last_key = first_pos + rows - 1; /* causal limit of the block's last row */
+    for (int64_t j = 0; KEYS * j <= last_key; j++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int i = 0; i < NV; i++) {
+            _tile_loadd(4, &q[0][32 * i], MAX_DIM * 2);
+            _tile_loadd(5, k_tile(c, kv, 2 * j, i), 64);
+            _tile_loadd(6, k_tile(c, kv, 2 * j + 1, i), 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        _tile_stored(0, &scores[0][0], KEYS * 4);
+        _tile_stored(1, &scores[0][16], KEYS * 4);
+        softmax_step(scores, KEYS * j, first_pos, c->scale, state, p, rescale);
+        _tile_loadd(4, p, KEYS * 2);
+        /* four 16-dim products in flight (tiles 0-3; V tiles 5 and 6 in turn), then stored */
+        for (int d = 0; d < ND; d += 4) {
+            PV_PRODUCT(0, 5, d);
+            PV_PRODUCT(1, 6, d + 1);
+            PV_PRODUCT(2, 5, d + 2);
+            PV_PRODUCT(3, 6, d + 3);
+            _tile_stored(0, pv[0], 64 * 4);
+            _tile_stored(1, pv[0] + 16, 64 * 4);
+            _tile_stored(2, pv[0] + 32, 64 * 4);
+            _tile_stored(3, pv[0] + 48, 64 * 4);
+            for (int r = 0; r < 16; r++) {
+                const __m512 alpha = _mm512_set1_ps(rescale[r]);
+                for (int e = 0; e < 4; e++) {
+                    float *o = state->out[r] + 16 * (d + e);
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), alpha,
+                                                        _mm512_loadu_ps(pv[r] + 16 * e)));
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(state->sum[r]));
+        uint16_t *dst = c->out + ((row0 + r) * c->num_q_heads + head) * c->head_dim;
+        for (int d = 0; d < ND; d++)
+            _mm256_storeu_si256((__m256i *)(dst + 16 * d),
+                                (__m256i)_mm512_cvtneps_pbh(
+                                    _mm512_mul_ps(_mm512_loadu_ps(state->out[r] + 16 * d), inv)));
+    }
+}
+
+int prefill_attention_supported(int num_q_heads, int num_kv_heads, int head_dim) {
+    return (head_dim == 64 || head_dim == 128) && num_kv_heads > 0 &&
+           num_q_heads % num_kv_heads == 0 && amx_available();
+}
+
+/* Returns 0 when done, 1 when unsupported or out of memory (then use SDPA, which writes every
+ * row of out again). */
+int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                           const uint16_t *v_cache, const int64_t *table, int64_t context_len,
+                           int64_t q_len, uint16_t *out, int num_q_heads, int num_kv_heads,
+                           int head_dim, int block_size, float scale, int sliding_window,
+                           int num_threads) {
+    /* a sliding window goes to the AVX-512 BF16 kernel, which masks keys per row */
+    if (!prefill_attention_supported(num_q_heads, num_kv_heads, head_dim) || q_len < 1 ||
+        q_len > context_len || sliding_window != 0)
+        return 1;
+    Chunk c = {q, k_cache, v_cache, table, out, q_stride, context_len, q_len, num_q_heads,
+               num_kv_heads, head_dim, block_size, scale, (context_len + KEYS - 1) / KEYS,
+               NULL, NULL};
+    const size_t tiles = (size_t)num_kv_heads * c.key_blocks * 2 * (head_dim / 32);
+    c.k_tiles = aligned_alloc(64, tiles * TILE_ELEMS * 2);
+    c.v_tiles = aligned_alloc(64, tiles * TILE_ELEMS * 2); /* same count: KEYS x 16 dims */
+    if (c.k_tiles == NULL || c.v_tiles == NULL) {
+        free(c.k_tiles);
+        free(c.v_tiles);
+        return 1;
+    }
+    const int64_t row_blocks = (q_len + 15) / 16, items = row_blocks * num_q_heads;
+    int failed = 0; /* a thread without its row state: rows left unwritten, so report it */
+#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < num_kv_heads * c.key_blocks; item++) {
+            pack_keys(&c, (int)(item / c.key_blocks), item % c.key_blocks);
+            pack_values(&c, (int)(item / c.key_blocks), item % c.key_blocks);
+        }
+        configure_full_tiles();
+        RowState *state = aligned_alloc(64, sizeof(RowState));
+        if (state == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* the last query rows see the most keys: hand them out first */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++)
+            if (state != NULL)
+                attend_rows(&c, (int)(item % num_q_heads),
+                            16 * (row_blocks - 1 - item / num_q_heads), state);
+        free(state);
+        _tile_release();
+    }
+    free(c.k_tiles);
+    free(c.v_tiles);
+    return failed;
+}
+
+#else /* no AMX at build time: SDPA does it */
+
+int prefill_attention_supported(int num_q_heads, int num_kv_heads, int head_dim) { return 0; }
+int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                           const uint16_t *v_cache, const int64_t *table, int64_t context_len,
+                           int64_t q_len, uint16_t *out, int num_q_heads, int num_kv_heads,
+                           int head_dim, int block_size, float scale, int sliding_window,
+                           int num_threads) {
+    return 1;
+}
+
+#endif

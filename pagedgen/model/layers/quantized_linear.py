@@ -1,0 +1,100 @@
+"""Projections and embedding look-ups on GGUF weights kept in their packed blocks.
+
+A QuantizedWeight is one logical [out, in] weight made of parts, each a run of rows of one
+GGUF tensor (memory-mapped from the file, never copied): q/k/v stacked into one projection,
+gate/up likewise, a plain tensor as a single part. A part may read its tensor's rows in
+another order (row_map): that is how llama.cpp's permuted Q/K rows are put back in
+transformers' order without copying the tensor.
+
+Small row counts run the int8 kernels (kernels/cpu/gguf: activations quantized per block of
+32, int8 dot products). From DEQUANTIZE_MIN_ROWS rows on, a projection dequantizes its weight
+to bf16 for the call and runs the dense GEMM, which is faster there (bench/bench_gguf_gemm.py
+measures the crossover); batch-invariant mode never does, so that a row's result does not
+depend on how many rows share its batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedgen.kernels.cpu import gguf as gguf_kernels
+
+DEQUANTIZE_MIN_ROWS = 64  # int8 kernels below, dequantize + dense GEMM from here on
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedPart:
+    tensor_type: int  # ggml type number
+    blocks: np.ndarray  # uint8 [rows, row_bytes], a view of the memory-mapped file
+    row_map: torch.Tensor | None  # int64 [out]: tensor row of each output column; None: in order
+    out_features: int
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    parts: tuple[QuantizedPart, ...]
+    in_features: int
+    library: gguf_kernels.GgufLibrary
+    invariant: bool = False  # batch-invariant mode: always the int8 kernels
+    kind: str = "gguf"  # what linear.pack_weight's PackedWeight calls its kernel family
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(part.blocks.nbytes for part in self.parts)
+
+    def with_invariance(self, invariant: bool) -> "QuantizedWeight":
+        if invariant == self.invariant:
+            return self
+        return QuantizedWeight(self.parts, self.in_features, self.library, invariant)
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias) in out_dtype (default x's dtype)."""
+    out_dtype = out_dtype or x.dtype
+    rows = x.reshape(-1, weight.in_features)
+    if rows.dtype not in (torch.float32, torch.bfloat16):
+        rows = rows.float()
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if rows.shape[0] >= DEQUANTIZE_MIN_ROWS and not weight.invariant:
+        out = F.linear(rows.to(torch.bfloat16), dequantized(weight, torch.bfloat16))
+    else:
+        out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
+        column = 0
+        for part in weight.parts:
+            gguf_kernels.gemm(weight.library, part.tensor_type, part.blocks, weight.in_features,
+                              rows, part.row_map, out[:, column:column + part.out_features])
+            column += part.out_features
+    if bias is not None:
+        out = out + bias
+    return out.to(out_dtype).reshape(*x.shape[:-1], weight.out_features)
+
+
+def dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The whole weight [out, in] in dtype (a temporary: large-row GEMMs and tests)."""
+    return torch.cat([gguf_kernels.dequantize_rows(weight.library, part.tensor_type, part.blocks,
+                                                   weight.in_features, part.row_map, dtype)
+                      for part in weight.parts])
+
+
+def embedding_rows(token_ids: torch.Tensor, weight: QuantizedWeight,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """F.embedding on the packed table: only the looked-up rows are dequantized."""
+    (part,) = weight.parts
+    ids = token_ids.reshape(-1).to(torch.int64)
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < part.out_features:
+        raise IndexError(f"token id out of range for an embedding of {part.out_features} rows")
+    if part.row_map is not None:
+        ids = part.row_map[ids]
+    rows = gguf_kernels.dequantize_rows(weight.library, part.tensor_type, part.blocks,
+                                        weight.in_features, ids.contiguous(),
+                                        torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    return rows.to(dtype).reshape(*token_ids.shape, weight.in_features)

@@ -1,0 +1,164 @@
+"""The packed GGUF GEMM kernels (kernels/cpu/gguf) against an independent float64 reference.
+
+Reference: gguf.quants.dequantize of the very same blocks (float64) times the activations as
+given (float32, or bf16 -> float64), no quantization. Every kernel path this CPU can run is
+tested as its own library; a path the CPU has but that cannot be built FAILS (no fallback).
+
+The bound, derived from the one approximation the kernels make. Each activation block b of 32
+values is coded twice in int8: q1 = round(x / d_b) with d_b = amax_b / 127, then the remainder,
+q2 = round((x - d_b q1) / e_b) with e_b = d_b / 254; x is taken as e_b (254 q1 + q2), so
+|x_j - x^_j| <= e_b / 2 and
+
+    |y - y_ref| <= sum_j |w_j| e_b(j) / 2  +  (K/16 + 4) * 2^-23 * sum_j |w_j| |x_j|,
+
+the second term covering float32 rounding of the remainder and of the K/16 scaled partial
+sums (the int8 dot products themselves are exact). The check is worst-case, yet the broken variants below land
+outside it, which shows the check has the power to catch them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from pagedgen.kernels.cpu import gguf as kernels
+from pagedgen.kernels.cpu.gguf import build
+from gguf_blocks import (drop_min, neighbour_scale, random_blocks, scales_off_by_one,
+                         swap_nibble_halves)
+
+TYPES = (T.Q8_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K, T.Q4_0, T.Q5_K, T.Q5_1)
+PATHS = ("portable", "avx2", "avx512_vnni")
+M_VALUES = (1, 2, 3, 8, 17, 64, 255, 2048)
+# (N, K): the default model's and Gemma 3 270M's projections, and odd ones.
+SHAPES_32 = ((576, 576), (192, 576), (3072, 576), (576, 1536), (1024, 640), (640, 2048),
+             (1, 32), (7, 96), (13, 64))
+SHAPES_256 = ((1024, 2048), (640, 1024), (2048, 512), (1, 256), (5, 768), (11, 256))
+
+
+def runnable_paths() -> list[str]:
+    return [path for path in PATHS if build.cpu_supports(path)]
+
+
+def cases(kind: T, count: int = 4) -> list[tuple[int, int, int]]:
+    """(M, N, K) sampled with a seed per type; the large M only with a small N."""
+    rng = np.random.default_rng(int(kind))
+    shapes = SHAPES_256 if kind in (T.Q4_K, T.Q5_K, T.Q6_K) else SHAPES_32
+    out = []
+    for i in range(count):
+        m = M_VALUES[(int(kind) + 3 * i) % len(M_VALUES)]
+        n, k = shapes[rng.integers(len(shapes))]
+        if m * n > 300_000:
+            n = 96
+        out.append((m, n, k))
+    return out
+
+
+def reference(blocks: np.ndarray, kind: T, x: torch.Tensor) -> np.ndarray:
+    return x.double().numpy() @ dequantize(blocks, kind).astype(np.float64).T
+
+
+def bound(blocks: np.ndarray, kind: T, x: torch.Tensor) -> np.ndarray:
+    x64 = x.double().numpy()
+    m, k = x64.shape
+    step = np.abs(x64).reshape(m, k // 32, 32).max(-1) / 127.0 / 254.0
+    weights = np.abs(dequantize(blocks, kind).astype(np.float64))
+    per_value = np.repeat(step / 2, 32, axis=1)
+    return per_value @ weights.T + (k / 16 + 4) * 2.0 ** -23 * (np.abs(x64) @ weights.T)
+
+
+def activations(m: int, k: int, rng: np.random.Generator, dtype: torch.dtype) -> torch.Tensor:
+    x = rng.standard_normal((m, k)) * rng.uniform(0.5, 4.0, (m, 1))
+    x[:, rng.integers(k)] *= 20  # an outlier channel, as hidden states have
+    return torch.from_numpy(x.astype(np.float32)).to(dtype)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+def test_gemm_matches_float64_reference(path: str, kind: T) -> None:
+    if not build.cpu_supports(path):
+        pytest.skip(f"this CPU cannot run the {path} path")
+    library = kernels.load_path(path)  # raises (fails) when the library cannot be built
+    rng = np.random.default_rng(100 + int(kind))
+    for index, (m, n, k) in enumerate(cases(kind)):
+        blocks = random_blocks(kind, n, k, rng, from_bytes=index % 2 == 1)
+        x = activations(m, k, rng, torch.bfloat16 if index % 2 else torch.float32)
+        got = kernels.gemm(library, int(kind), blocks, k, x, threads=2).double().numpy()
+        error = np.abs(got - reference(blocks, kind, x))
+        excess = error - bound(blocks, kind, x)
+        assert excess.max() <= 0, (f"{kind.name} {path} M={m} N={n} K={k}: error "
+                                   f"{error.max():.3g} beyond the bound by {excess.max():.3g}")
+
+
+BREAKAGES = [(swap_nibble_halves, T.Q4_0), (swap_nibble_halves, T.Q4_1),
+             (swap_nibble_halves, T.Q4_K), (swap_nibble_halves, T.Q5_0),
+             (neighbour_scale, T.Q8_0), (neighbour_scale, T.Q4_1), (neighbour_scale, T.Q6_K),
+             (neighbour_scale, T.Q4_K), (drop_min, T.Q4_1), (drop_min, T.Q4_K),
+             (drop_min, T.Q5_K), (scales_off_by_one, T.Q4_K), (scales_off_by_one, T.Q5_K)]
+
+
+@pytest.mark.parametrize("breakage, kind", BREAKAGES,
+                         ids=[f"{b.__name__}-{t.name}" for b, t in BREAKAGES])
+def test_the_check_catches_broken_unpacking(breakage, kind: T) -> None:
+    """A kernel computing from the broken blocks would fail the check: the right kernel's
+    output lies outside the bound around the broken reference (at the model's shape)."""
+    library = kernels.load_path(runnable_paths()[-1])
+    rng = np.random.default_rng(7)
+    k = 2048 if kind in (T.Q4_K, T.Q5_K, T.Q6_K) else 576
+    blocks = random_blocks(kind, 64, k, rng)
+    x = activations(4, k, rng, torch.float32)
+    got = kernels.gemm(library, int(kind), blocks, k, x).double().numpy()
+    assert (np.abs(got - reference(blocks, kind, x)) <= bound(blocks, kind, x)).all()
+    broken = breakage(blocks, kind)
+    assert not np.array_equal(broken, blocks)
+    assert (np.abs(got - reference(broken, kind, x)) > bound(broken, kind, x)).any()
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+def test_row_lookup_is_exactly_the_dequantized_rows(kind: T) -> None:
+    library = kernels.load_path(runnable_paths()[-1])
+    rng = np.random.default_rng(3)
+    k = 512
+    blocks = random_blocks(kind, 40, k, rng)
+    rows = torch.tensor([39, 0, 5, 5, 17], dtype=torch.int64)
+    expected = dequantize(blocks, kind)[rows.numpy()]
+    got = kernels.dequantize_rows(library, int(kind), blocks, k, rows)
+    np.testing.assert_array_equal(got.numpy(), expected)
+    got_bf16 = kernels.dequantize_rows(library, int(kind), blocks, k, rows, torch.bfloat16)
+    assert torch.equal(got_bf16, torch.from_numpy(expected).to(torch.bfloat16))
+
+
+def test_row_map_and_strided_output() -> None:
+    """Columns come from the mapped rows and land in a column slice of a wider output."""
+    library = kernels.load_path(runnable_paths()[-1])
+    rng = np.random.default_rng(4)
+    blocks = random_blocks(T.Q4_1, 24, 64, rng)
+    x = activations(3, 64, rng, torch.float32)
+    rows = torch.tensor([23, 1, 7], dtype=torch.int64)
+    wide = torch.zeros(3, 10)
+    kernels.gemm(library, int(T.Q4_1), blocks, 64, x, row_map=rows, out=wide[:, 4:7])
+    full = kernels.gemm(library, int(T.Q4_1), blocks, 64, x)
+    assert torch.equal(wide[:, 4:7], full[:, rows])
+    assert not wide[:, :4].any() and not wide[:, 7:].any()
+
+
+def test_every_path_this_cpu_has_is_built_and_the_widest_is_chosen() -> None:
+    """No silent fallback: on a CPU with VNNI the VNNI library must exist and be the one used."""
+    paths = runnable_paths()
+    assert "portable" in paths
+    for path in paths:
+        assert kernels.load_path(path).library.gguf_path_name().decode() == path
+    chosen = build.best()
+    assert chosen is not None and chosen.path == (build.forced_path() or paths[-1])
+
+
+def test_bad_shapes_are_refused_with_a_message() -> None:
+    library = kernels.load_path("portable")
+    blocks = random_blocks(T.Q8_0, 4, 64, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="not contiguous rows of 96"):
+        kernels.gemm(library, int(T.Q8_0), blocks, 96, torch.zeros(1, 96))
+    with pytest.raises(ValueError, match="x must be"):
+        kernels.gemm(library, int(T.Q8_0), blocks, 64, torch.zeros(1, 32))
+    with pytest.raises(ValueError, match="no packed kernel"):
+        kernels.gemm(library, 0, blocks, 64, torch.zeros(1, 64))

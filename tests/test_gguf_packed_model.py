@@ -1,0 +1,162 @@
+"""A GGUF model whose matrices stay packed (weights="packed") against the same file
+dequantized at load (weights="dequantized"): same blocks, so they differ only by the
+activation rounding of the int8 kernels. Tiny random models, written at test time."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFWriter
+from gguf.quants import quantize
+
+from hostile_models import _embed_tokenizer, write_llama_header
+from pagedgen import LLM, SamplingParams
+from pagedgen.settings import EngineConfig
+from pagedgen.model.layers import quantized_linear as ql
+from pagedgen.model.layers.quantized_linear import QuantizedWeight
+from pagedgen.model.loading.loader import load_model
+from pagedgen.model.runtime.batch import ScheduledChunk
+from pagedgen.model.runtime.runner import ModelRunner
+from tiny_models import gguf_name, hf_config, tiny_hf_model, tiny_model_dir, tiny_tokenizer
+
+# One type per kind of tensor, so that every type the real files hold runs inside a model.
+TYPES = {"q_proj": T.Q4_1, "k_proj": T.Q4_1, "v_proj": T.Q5_0, "o_proj": T.Q8_0,
+         "gate_proj": T.Q4_0, "up_proj": T.Q4_1, "down_proj": T.Q5_0,
+         "embed_tokens": T.Q8_0, "lm_head": T.Q8_0}
+
+
+def permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row order (the loader must undo it)."""
+    shape = weights.shape
+    return weights.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def write_quantized_gguf(path, tied: bool = False):
+    config, model = hf_config("llama", tied), tiny_hf_model("llama", tied)
+    writer = GGUFWriter(path, "llama")
+    write_llama_header(writer, config)
+    _embed_tokenizer(writer, tiny_tokenizer())
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        data = tensor.numpy()
+        if "q_proj" in name or "k_proj" in name:
+            data = permute(data, config.num_attention_heads if "q_proj" in name
+                           else config.num_key_value_heads)
+        kind = next((t for key, t in TYPES.items() if key in name), None)
+        if kind is None or data.ndim != 2:
+            writer.add_tensor(gguf_name(name), np.ascontiguousarray(data))
+        else:
+            writer.add_tensor(gguf_name(name), quantize(np.ascontiguousarray(data), kind),
+                              raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def last_logits(loaded, prompt=(5, 9, 13, 40, 41, 7)) -> torch.Tensor:
+    runner = ModelRunner(loaded, EngineConfig(block_size=8, num_blocks=2))
+    return runner.execute([ScheduledChunk(list(prompt), 0, [1], True)], [])[0]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_model_matches_the_dequantized_one(tmp_path, tied, dtype):
+    path = write_quantized_gguf(tmp_path / "q.gguf", tied)
+    packed = load_model(path, dtype=dtype, weights="packed")
+    dense = load_model(path, dtype=dtype, weights="dequantized")
+    assert packed.model.gguf_packed is not None and dense.model.gguf_packed is None
+    got, want = last_logits(packed), last_logits(dense)
+    # int8 activations (relative step 1/254 per block) through 2 layers, plus bf16 rounding
+    tolerance = 0.03 if dtype == "float32" else 0.06
+    assert (got - want).abs().max() <= tolerance * want.abs().max()
+    assert got.argmax() == want.argmax()
+
+
+def test_packed_weights_are_views_of_the_mapped_file(tmp_path):
+    path = write_quantized_gguf(tmp_path / "q.gguf", tied=True)
+    decoder = load_model(path, dtype="bfloat16", weights="packed").model
+    runner_free = decoder.layers[0]
+    decoder.pack_weights()
+    for layer in decoder.layers:
+        for weight in (layer.attention.qkv_packed, layer.attention.o_packed,
+                       layer.mlp.gate_up_packed, layer.mlp.down_packed):
+            assert isinstance(weight, QuantizedWeight)
+            for part in weight.parts:
+                base = part.blocks
+                while base.base is not None and not isinstance(base, np.memmap):
+                    base = base.base
+                assert isinstance(base, np.memmap)  # the file's pages, not a copy
+    assert decoder.lm_head_packed is decoder.embed_packed  # tied: the table is the head
+    assert decoder.embed_weight.numel() == 0 and runner_free.attention.qkv_weight.numel() == 0
+    assert decoder.fused_decode is None  # its C step reads bf16-packed weights only
+    assert decoder.gguf_packed.stored_bytes > 0
+
+
+def test_batch_invariant_rows_do_not_depend_on_the_batch(tmp_path):
+    """In batch-invariant mode a row's result is the same alone or among many rows, also past
+    the row count where the normal mode switches to dequantize-and-GEMM."""
+    path = write_quantized_gguf(tmp_path / "q.gguf")
+    decoder = load_model(path, dtype="bfloat16", weights="packed").model
+    decoder.pack_weights(batch_invariant=True)
+    weight = decoder.layers[0].mlp.gate_up_packed
+    rows = torch.randn(ql.DEQUANTIZE_MIN_ROWS + 5, weight.in_features).to(torch.bfloat16)
+    many = ql.quantized_linear(rows, weight)
+    for index in (0, 3, rows.shape[0] - 1):
+        assert torch.equal(ql.quantized_linear(rows[index:index + 1], weight)[0], many[index])
+
+
+def test_large_row_counts_dequantize_and_agree(tmp_path):
+    path = write_quantized_gguf(tmp_path / "q.gguf")
+    decoder = load_model(path, dtype="bfloat16", weights="packed").model
+    decoder.pack_weights()
+    weight = decoder.layers[1].attention.qkv_packed
+    rows = torch.randn(ql.DEQUANTIZE_MIN_ROWS + 1, weight.in_features).to(torch.bfloat16)
+    big = ql.quantized_linear(rows, weight).float()
+    small = torch.cat([ql.quantized_linear(rows[i:i + 8], weight) for i in
+                       range(0, rows.shape[0], 8)]).float()
+    assert (big - small).abs().max() <= 0.05 * big.abs().max()
+
+
+def test_packed_generation_runs_and_weights_are_checked(tmp_path, monkeypatch):
+    from pagedgen.model.loading import loader
+    path = write_quantized_gguf(tmp_path / "q.gguf")
+    # auto packs only when the dequantized copy would crowd memory: pretend memory is short.
+    monkeypatch.setattr(loader, "_available_memory", lambda: 1024)
+    outputs = [LLM(str(path), weights=w, dtype="float32", kv_memory=1 << 20, threads=1).generate(
+        [[5, 9, 13]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].token_ids for w in ("auto", "packed")]
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 4
+    with pytest.raises(ValueError, match="weights must be one of"):
+        load_model(path, weights="int4")
+    with pytest.raises(ValueError, match="needs a GGUF file"):
+        load_model(str(tiny_model_dir("llama")), weights="packed")
+
+
+def test_without_a_compiler_gguf_weights_are_dequantized_with_one_warning(tmp_path, monkeypatch):
+    from pagedgen.kernels.cpu.gguf import build
+    path = write_quantized_gguf(tmp_path / "q.gguf")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.delenv("PAGEDGEN_GGUF_PATH", raising=False)
+    build.load_path.cache_clear()
+    build.best.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="packed GGUF kernels unavailable") as caught:
+            loaded = load_model(path, dtype="float32", weights="packed")
+            load_model(path, dtype="float32", weights="packed")
+        assert len(caught) == 1 and loaded.model.gguf_packed is None
+    finally:
+        build.load_path.cache_clear()
+        build.best.cache_clear()
+
+
+def test_auto_packs_only_when_the_dequantized_copy_would_crowd_memory(tmp_path, monkeypatch):
+    from pagedgen.model.loading import loader
+    path = write_quantized_gguf(tmp_path / "q.gguf")
+    monkeypatch.setattr(loader, "_available_memory", lambda: 1 << 40)
+    assert load_model(path, dtype="float32", weights="auto").model.gguf_packed is None
+    monkeypatch.setattr(loader, "_available_memory", lambda: 1024)
+    assert load_model(path, dtype="float32", weights="auto").model.gguf_packed is not None
