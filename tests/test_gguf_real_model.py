@@ -3,7 +3,9 @@ same file dequantized to bf16: teacher-forced top-1 agreement on held-out text, 
 resident bytes the packed weights really take."""
 from __future__ import annotations
 
-import gc
+import json
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -12,7 +14,6 @@ import pytest
 from pagedgen import LLM, SamplingParams
 from pagedgen.model.layers import quantized_linear as ql
 from pagedgen.model.loading import default_model
-from pagedgen.model.loading.gguf_file import read_gguf
 
 pytestmark = pytest.mark.slow
 WINDOW = 512
@@ -66,32 +67,47 @@ def test_teacher_forced_top1_agreement_with_dequantized_weights(monkeypatch):
     assert agreement >= 0.98
 
 
-def pss_bytes() -> int:
+MEASURE_RESIDENT_WEIGHTS = """
+import gc, json, sys
+from pathlib import Path
+from pagedgen import LLM, SamplingParams
+from pagedgen.model.loading.gguf_file import read_gguf
+
+def pss_bytes():
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
         if line.startswith("Pss:"):
             return int(line.split()[1]) * 1024
-    raise AssertionError("no Pss line in /proc/self/smaps_rollup")
+    raise SystemExit("no Pss line in /proc/self/smaps_rollup")
+
+path = Path(sys.argv[1])
+settings = dict(weights="packed", dtype="bfloat16", threads=1, kv_memory=4 << 20)
+warm = LLM(str(path), **settings)
+warm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+del warm
+gc.collect()
+file_tensor_bytes = sum(t.data.nbytes for t in read_gguf(path).tensors)
+gc.collect()
+# Nothing of the file may stay mapped from the warm-up, or its pages would count as "before".
+assert str(path.resolve()) not in Path("/proc/self/maps").read_text()
+before = pss_bytes()
+llm = LLM(str(path), **settings)
+llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2), use_tqdm=False)
+kv = llm.runner.kv_cache.numel() * llm.runner.kv_cache.element_size()
+print(json.dumps({"resident": pss_bytes() - before - kv, "file_tensor_bytes": file_tensor_bytes}))
+"""
 
 
 def test_resident_weight_bytes_stay_near_the_file_size():
     """PSS change from before the load to after a generate that touches every weight (the LM
     head is the tied embedding table: one step reads all of it), the KV pool subtracted.
-    Imports, kernel libraries and the tokenizer are warmed first: they are not weights."""
-    path = default_path()
-    warm = LLM(str(path), weights="packed", dtype="bfloat16", threads=1, kv_memory=4 << 20)
-    warm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
-    del warm
-    gc.collect()
-    file_tensor_bytes = sum(t.data.nbytes for t in read_gguf(path).tensors)
-    gc.collect()
-    # Nothing of the file may stay mapped from the warm-up, or its pages would count as "before".
-    assert str(path.resolve()) not in Path("/proc/self/maps").read_text()
-    before = pss_bytes()
-    llm = LLM(str(path), weights="packed", dtype="bfloat16", threads=1, kv_memory=4 << 20)
-    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2), use_tqdm=False)
-    runner = llm.runner
-    kv = runner.kv_cache.numel() * runner.kv_cache.element_size()
-    resident = pss_bytes() - before - kv
+    Imports, kernel libraries and the tokenizer are warmed first: they are not weights. It runs
+    in a fresh process, as a user's run would: inside a test worker, the heap that other tests
+    left behind decides whether a step's activations reuse freed memory or touch new pages."""
+    done = subprocess.run([sys.executable, "-c", MEASURE_RESIDENT_WEIGHTS, str(default_path())],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    resident, file_tensor_bytes = figures["resident"], figures["file_tensor_bytes"]
     print(f"resident weights {resident / 2**20:.1f} MiB, file tensors "
           f"{file_tensor_bytes / 2**20:.1f} MiB ({resident / file_tensor_bytes:.3f}x)")
     assert resident <= 1.15 * file_tensor_bytes

@@ -151,7 +151,8 @@ def test_a_replica_killed_mid_run_loses_and_duplicates_nothing(tmp_path, config_
     from pagedgen.cli.ray_job import RayJob
     from pagedgen.jobs.run_job import resolve_paths
 
-    inputs = write_jsonl(tmp_path / "in.jsonl", input_lines())
+    lines, expected = busy_lines(reference["completions"])
+    inputs = write_jsonl(tmp_path / "in.jsonl", lines)
     config = load_config(config_path, [("test", {"ray": {"enabled": True, "replicas": 2,
                                                          "batch_size": 1}})])
     paths = resolve_paths(inputs, config, write_report=True)
@@ -159,7 +160,7 @@ def test_a_replica_killed_mid_run_loses_and_duplicates_nothing(tmp_path, config_
     outcome = {}
     worker = threading.Thread(target=lambda: outcome.update(summary=job.run()))
     worker.start()
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300
     while not (job.replica_reports and job.replica_reports.latest
                and paths.output.exists() and paths.output.read_bytes().count(b"\n") >= 4):
         assert worker.is_alive() and time.monotonic() < deadline, "the run ended before the kill"
@@ -169,12 +170,31 @@ def test_a_replica_killed_mid_run_loses_and_duplicates_nothing(tmp_path, config_
     assert not worker.is_alive()
 
     summary = outcome["summary"]
-    assert summary.completed == COUNT - 4 and summary.failed == 4
-    assert by_id(paths.output) == reference["completions"]
+    assert summary.completed == len(lines) - 4 and summary.failed == 4
+    assert by_id(paths.output) == expected
     # The kill was mid-run: the victim had not done everything, and others answered the rest
     # (its restarted process re-running the batches it held, and the other replica).
-    assert job.replica_reports.latest[victim]["rows"] < COUNT - 3
+    assert job.replica_reports.latest[victim]["rows"] < len(lines) - 3
     assert len(job.replica_reports.latest) >= 2
+
+
+BAD_LINES = (5, 11, 17, 23)      # the indices input_lines() breaks on purpose
+EXTRA_LINES = 200
+
+
+def busy_lines(answers: dict) -> tuple[list, dict]:
+    """input_lines() and EXTRA_LINES copies of its good lines under new ids, with the answers
+    expected for all: a run long enough that a replica is surely still busy when it is killed
+    (40 lines can end on a fast worker between the first answers and the kill)."""
+    lines = input_lines()
+    good = [i for i in range(COUNT) if i not in BAD_LINES]
+    expected = dict(answers)
+    for k in range(EXTRA_LINES):
+        source = lines[good[k % len(good)]]
+        copy = {**source, "id": f"copy{k}-{source['id']}"}
+        lines.append(copy)
+        expected[copy["id"]] = {**answers[source["id"]], "id": copy["id"], "line": len(lines)}
+    return lines, expected
 
 
 def _kill_a_live_replica(job, worker, deadline: float) -> str:
