@@ -1,23 +1,30 @@
 """The bytes of one stored block: a fixed 128-byte header, then the payload.
 
 Header (little-endian): magic b"PGKVBLK\\0", format version (u16), header size (u16), the
-block's 32-byte key, payload size (u64), and a 32-byte BLAKE2b checksum over everything before
-it plus the payload. The key inside the file makes a block copied or renamed under another key
-a miss; the checksum makes a torn, truncated or flipped file a miss.
+block's 32-byte key, payload size (u64), and a CRC-32 (u32) over everything before it plus the
+payload. The key inside the file makes a block copied or renamed under another key a miss; the
+checksum makes a torn, truncated or flipped file a miss.
+
+Why CRC-32 and not a cryptographic hash: the checksum guards against accidents (torn writes,
+truncation, flipped bits: CRC-32 catches every burst of up to 32 bits and all but 2^-32 of
+random damage), while forged files are kept out by the private folder. The background writer
+computes it on the same cores as the engine's threads, and a cryptographic hash is several
+times slower there (figures in docs/prefix_store.md). Files of format 1 (BLAKE2b) are misses.
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
+import zlib
 
 MAGIC = b"PGKVBLK\0"
-VERSION = 1
+VERSION = 2                           # 1: BLAKE2b-256 checksums
 HEADER_SIZE = 128
 KEY_SIZE = 32
 _PREFIX = struct.Struct("<8sHH32sQ")  # magic, version, header size, key, payload size
+_CHECKSUM = struct.Struct("<I")
 _CHECKSUM_AT = _PREFIX.size
-_PAD = HEADER_SIZE - _PREFIX.size - 32
+_PAD = HEADER_SIZE - _PREFIX.size - _CHECKSUM.size
 
 
 class BlockFileError(ValueError):
@@ -67,16 +74,14 @@ def _checked_payload(view: memoryview, size: int) -> memoryview:
     if len(view) != HEADER_SIZE + size:
         raise BlockFileError(f"{len(view)} bytes, the header announces {HEADER_SIZE + size}")
     payload = view[HEADER_SIZE:]
-    expected = bytes(view[_CHECKSUM_AT:_CHECKSUM_AT + 32])
+    expected = bytes(view[_CHECKSUM_AT:_CHECKSUM_AT + _CHECKSUM.size])
     if _checksum(view[:_CHECKSUM_AT], payload) != expected:
         raise BlockFileError("checksum mismatch (corrupted or torn)")
     return payload
 
 
 def _checksum(prefix: bytes | memoryview, payload: bytes | memoryview) -> bytes:
-    digest = hashlib.blake2b(prefix, digest_size=32)
-    digest.update(payload)
-    return digest.digest()
+    return _CHECKSUM.pack(zlib.crc32(payload, zlib.crc32(prefix)))
 
 
 def _check_key(key: bytes) -> None:
