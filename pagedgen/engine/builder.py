@@ -14,7 +14,7 @@ from pagedgen.model.loading.loader import LoadedModel
 from pagedgen.model.loading.source import locate_model
 from pagedgen.model.runtime.kv_groups import longest_sequence
 from pagedgen.model.runtime.runner import ModelRunner
-from pagedgen.engine.prefix_store.store import StoreWarning, UnsafeStoreError
+from pagedgen.engine.prefix_store.store import BlockStore, StoreWarning, UnsafeStoreError
 from pagedgen.engine.store_identity import store_setup
 
 
@@ -39,7 +39,9 @@ def _store_or_warning(config: EngineConfig, runner: ModelRunner):
     if not config.enable_prefix_caching:
         raise ValueError("prefix_store needs prefix caching on (enable_prefix_caching=True)")
     try:
-        return store_setup(config.prefix_store, locate_model(config.model), runner)
+        store = BlockStore(config.prefix_store, max_bytes=config.prefix_store_max_size,
+                           min_free_bytes=config.prefix_store_min_free)
+        return store_setup(store, locate_model(config.model), runner)
     except UnsafeStoreError:
         raise
     except OSError as error:

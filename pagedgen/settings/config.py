@@ -45,6 +45,8 @@ class EngineConfig:
     seed: int = default("seed")
     batch_invariant: bool = default("batch_invariant")
     prefix_store: str | None = default("prefix_store")
+    prefix_store_max_size: int = default("prefix_store_max_size")
+    prefix_store_min_free: int = default("prefix_store_min_free")
 
     def __post_init__(self) -> None:
         self.validate()

@@ -138,6 +138,12 @@ TABLE: tuple[Setting, ...] = (
     Setting("prefix_store", "path", None, ENGINE, False,
             "Folder keeping full KV blocks on disk across runs, so a prompt's prefill is paid "
             "once (docs/prefix_store.md).", nullable=True, default_text="off"),
+    Setting("prefix_store_max_size", "size", 16 * 2**30, ENGINE, False,
+            "Largest size of the prefix store, e.g. 64GiB; past it the least recently used "
+            "blocks are deleted.", default_text="16GiB"),
+    Setting("prefix_store_min_free", "size", 2**30, ENGINE, False,
+            "Free disk space the prefix store leaves, e.g. 5GiB; below it the store stops "
+            "writing, so the run's own outputs always find room.", default_text="1GiB"),
     # --- the batch job's own ---
     Setting("max_line_bytes", "size", None, INPUT_OUTPUT, False,
             "Longest input line read, e.g. 4MiB.", nullable=True,

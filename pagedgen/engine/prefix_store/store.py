@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedgen.kernels.cpu.native_cache import privacy_problem
+from pagedgen.settings.table import default
 
 from . import block_file
 from .atomic import write_atomically
 
-DEFAULT_MAX_BYTES = 16 * 2**30
-DEFAULT_MIN_FREE_BYTES = 2**30
+DEFAULT_MAX_BYTES = default("prefix_store_max_size")
+DEFAULT_MIN_FREE_BYTES = default("prefix_store_min_free")
 BLOCKS_FOLDER = "blocks-v1"
 SUFFIX = ".kvb"
 
