@@ -114,3 +114,30 @@ def test_profile_of_a_jsonl_file_skips_bad_lines(tmp_path):
     assert len(data["rows"]) == 1 and data["rows"][0]["block_size"] == 16
     missing = CliRunner().invoke(app, ["profile", "--prompt-len", "3..1"])
     assert missing.exit_code == 2 and "--prompt-len" in missing.output
+
+
+def test_a_second_profile_with_the_same_store_reads_its_prompts_from_disk(tmp_path):
+    """--prefix-store: the first profile writes the workload's full blocks, the second (a new
+    process would do the same: a new engine) reads them instead of computing their prefill."""
+    from tiny_models import tiny_model_dir
+
+    store = tmp_path / "store"
+
+    def profile(name: str) -> tuple:
+        out = tmp_path / f"{name}.json"
+        result = CliRunner().invoke(app, [
+            "profile", "--model", str(tiny_model_dir("llama")), "--dtype", "float32", "--threads",
+            "1", "--num-blocks", "48", "--block-size", "8", "--num-requests", "4", "--prompt-len",
+            "40..60", "--max-tokens", "4", "--prefix-store", str(store), "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        return result.stdout, json.loads(out.read_text())["rows"][0]
+
+    cold_text, cold = profile("cold")
+    warm_text, warm = profile("warm")
+    assert cold["prefix_store"]["hit_tokens"] == 0 and cold["prefix_store"]["bytes_written"] > 0
+    # Every full block of each prompt but the one holding its last token (always computed).
+    assert warm["prefix_store"]["hit_tokens"] >= 4 * 32
+    assert warm["prompt_tokens"] <= cold["prompt_tokens"] - warm["prefix_store"]["hit_tokens"]
+    assert warm["prefix_store"]["bytes_read"] > 0 and warm["prefix_store"]["writes_dropped"] == 0
+    assert "prompt tokens read from the store" in " ".join(warm_text.split())
+    assert "prompt tokens read from the store" in " ".join(cold_text.split())

@@ -167,6 +167,7 @@ class ProfileRow:
     first_failure: str | None = None   # why the first failed request failed
     bytes_per_token: int = 0           # of the KV pool, scales included
     kv_groups: dict[str, Any] | None = None  # a hybrid pool: the report's kv_groups section
+    prefix_store: dict[str, Any] | None = None  # --prefix-store: what it served and wrote here
 
 
 def _generate(llm: Any, items: Sequence[WorkItem], on_done: Callable[[], None]) -> list[Any]:
@@ -190,9 +191,11 @@ def profile_llm(llm: Any, items: Sequence[WorkItem], on_done: Callable[[], None]
     llm.engine.reset_tracker()  # the measured run gets its own memory history, without the warm-up
     stats_before = dict(llm.stats)
     counters_before = dataclasses.replace(llm.engine.kv.counters)
+    store_before = _store_report(llm)
     start = time.perf_counter()
     outputs = _generate(llm, items, on_done)
     wall = time.perf_counter() - start
+    store = _store_delta(_store_report(llm), store_before)
     stats = {k: v - stats_before[k] for k, v in llm.stats.items()}
     report = build_report(llm.tracker, _counter_delta(llm.engine.kv.counters, counters_before))
     summary = report["summary"]
@@ -205,8 +208,21 @@ def profile_llm(llm: Any, items: Sequence[WorkItem], on_done: Callable[[], None]
         summary["internal_fragmentation_at_peak"], summary["peak_concurrent_sequences"],
         stats["preemptions"], sum(1 for o in outputs if o.error),
         kv_cache_dtype=runner.kv_cache_dtype, bytes_per_token=runner.kv_bytes_per_token,
-        kv_groups=report.get("kv_groups"),
+        kv_groups=report.get("kv_groups"), prefix_store=store,
         first_failure=next((o.error for o in outputs if o.error), None))
+
+
+def _store_report(llm: Any) -> dict[str, Any] | None:
+    store = llm.engine.store
+    return None if store is None else dataclasses.asdict(store.report())
+
+
+def _store_delta(after: dict[str, Any] | None, before: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The store's counters over the measured run only (the warm-up reads and writes too)."""
+    if after is None:
+        return None
+    return {k: v - before[k] if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+            for k, v in after.items()}
 
 
 # --- several block sizes, side by side ---
@@ -335,6 +351,8 @@ def profile_table(result: dict[str, Any]) -> Any:
     add("failed requests", lambda r: str(r["failed_requests"]))
     if any(r.get("kv_groups") for r in rows):
         _add_group_rows(add, rows)
+    if any(r.get("prefix_store") for r in rows):
+        _add_store_rows(add)
     reasons = {r["first_failure"] for r in rows if r.get("first_failure")}
     if reasons:
         table.caption = "first failure: " + "; ".join(sorted(reasons))
@@ -355,3 +373,16 @@ def _add_group_rows(add: Callable[..., None], rows: list[dict[str, Any]]) -> Non
         lambda r: f"{r['kv_groups']['peak_bytes'] / 2**20:,.1f} / "
                   f"{r['kv_groups']['full_attention']['peak_bytes'] / 2**20:,.1f} MiB "
                   f"({100 * r['kv_groups']['peak_fraction_of_full_attention']:.0f}%)")
+
+
+def _add_store_rows(add: Callable[..., None]) -> None:
+    """--prefix-store: what the store served and took during the measured run."""
+    def store(r: dict[str, Any]) -> dict[str, Any]:
+        return r.get("prefix_store") or {}
+
+    add("prompt tokens read from the store", lambda r: f"{store(r).get('hit_tokens', 0):,}")
+    add("store MiB read / written", lambda r: f"{store(r).get('bytes_read', 0) / 2**20:,.1f} / "
+                                              f"{store(r).get('bytes_written', 0) / 2**20:,.1f}")
+    add("prefill time saved by the store", lambda r: f"{store(r).get('prefill_seconds_saved', 0):.2f} s")
+    add("store writes dropped", lambda r: f"{store(r).get('writes_dropped', 0):,}"
+                                          + (f" ({store(r)['write_stopped']})" if store(r).get("write_stopped") else ""))
