@@ -232,3 +232,23 @@ def test_huge_pools_are_aggregated_to_fit_the_screen(sim_report):
     assert len(rows) <= 3 and all(len(r) <= 27 for r in rows)
     data, _ = inspect_report(sim_report, width=40)
     assert len(data["map"]["states"]) == 160
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral_window"])
+def test_a_hybrid_pool_gets_the_max_model_len_llm_runs_with(arch):
+    """A pool with sliding groups holds one sequence longer than its page count x block size
+    would say for full groups, and shorter than its token count: inspect-memory must show the
+    length LLM really runs with."""
+    from pagedgen import LLM
+    from pagedgen.jobs.config import RunConfig
+    from pagedgen.settings import EngineConfig
+    from pagedgen.cli.inspect_memory import sizing_for_config
+    from tiny_models import tiny_model_dir
+
+    folder = str(tiny_model_dir(arch))
+    settings = dict(model=folder, dtype="float32", device="cpu", num_blocks=48, block_size=8)
+    sized = sizing_for_config(RunConfig(EngineConfig(**settings)))
+    llm = LLM(**settings)
+    assert llm.max_model_len == sized["max_model_len"]
+    if arch == "gemma3":   # a full group: the pool's token count would mislead here
+        assert sized["max_model_len"] != min(sized["pool_tokens"], 512)

@@ -29,7 +29,8 @@ from pagedgen.model.dtypes import resolve_dtype
 from pagedgen.model.loading.source import locate_model, read_model_config
 from pagedgen.model.runtime.kv_cache import (dtype_bytes, kv_bytes_per_token, kv_format,
                                              kv_scale_bytes_per_block, size_kv_pool)
-from pagedgen.model.runtime.kv_groups import group_layers_by_window, pages_for_tokens
+from pagedgen.model.runtime.kv_groups import (group_layers_by_window, longest_sequence,
+                                             pages_for_tokens)
 from pagedgen.settings import default
 from pagedgen.validation import require_int
 
@@ -169,8 +170,14 @@ def sizing_for_config(config: Any, seq_lens: Sequence[int] = ()) -> dict[str, An
                  config.kv_cache_dtype, shape.layer_windows)
     size = dict(kv_memory_bytes=config.kv_memory, num_blocks=config.num_blocks, device=device)
     probe = pool_sizing(kv, config.block_size, shape.max_position_embeddings, **size)
+    # The rule LLM follows (engine/builder.py): the longest sequence the pool holds alone. In a
+    # hybrid pool that is not its token count: full groups take a page per block, sliding groups
+    # only their window's.
+    windows = [g["window"] for g in probe.groups] if probe.groups else [0]
+    pool_tokens = longest_sequence(windows, probe.num_blocks, config.block_size,
+                                   config.max_num_batched_tokens, shape.max_position_embeddings)
     max_model_len = resolve_max_model_len(config.max_model_len, shape.max_position_embeddings,
-                                          probe.pool_tokens)   # the rule LLM follows
+                                          pool_tokens)
     sizing = pool_sizing(kv, config.block_size, max_model_len, **size)
     lengths = list(seq_lens) or [n for n in DEFAULT_SEQ_LENS if n < max_model_len] + [max_model_len]
     return {**sizing_dict(sizing, lengths, shape.name), "device": device}
