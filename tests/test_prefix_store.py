@@ -253,3 +253,27 @@ def test_kv_manager_hook_queues_full_blocks_and_admits_stored_ones(tmp_path):
     assert second.store.take_saves() == []  # the loaded blocks are not written again
     # A prompt ending on a block boundary still computes its last token: 2 blocks, not 3.
     assert second.num_cached_prefix_tokens(tokens[:48]) == 32
+
+
+def test_the_size_settings_bound_a_run_s_store(tmp_path):
+    """prefix_store_max_size reaches the writer (the store never ends larger), and a free-space
+    floor above the disk's free space stops writing with the reason in the report."""
+    from pagedgen import LLM, SamplingParams
+    from tiny_models import tiny_model_dir
+
+    prompts = [{"prompt_token_ids": [3 + (7 * i + j) % 400 for j in range(120)]} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    common = dict(dtype="float32", block_size=16, num_blocks=64, threads=1)
+    bounded = LLM(str(tiny_model_dir()), prefix_store=tmp_path / "small",
+                  prefix_store_max_size="200KiB", **common)
+    bounded.generate(prompts, params, use_tqdm=False)
+    report = bounded.memory_report()["prefix_store"]
+    stats = BlockStore(tmp_path / "small").stats()
+    assert report["blocks_written"] > stats.files > 0        # some were evicted on the way
+    assert stats.bytes <= 200 * 1024
+
+    floored = LLM(str(tiny_model_dir()), prefix_store=tmp_path / "floor",
+                  prefix_store_min_free=f"{1 << 50}", **common)
+    floored.generate(prompts, params, use_tqdm=False)
+    report = floored.memory_report()["prefix_store"]
+    assert report["blocks_written"] == 0 and "free space below the floor" in report["write_stopped"]

@@ -20,6 +20,7 @@ from .store import BlockStore
 _STOP = object()
 _FATAL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 _FREE_SPACE_RECHECK_BYTES = 64 * 2**20
+_ALLOCATION_UNIT = 4096   # the usual filesystem block: a file takes whole ones
 
 
 @dataclass(slots=True)
@@ -132,7 +133,8 @@ class BlockWriter:
         if self._used is None:
             self._used = self.store.stats().bytes
         else:
-            self._used += written
+            # Counted as the disk allocates it (the limit is on disk use; evict_to recounts).
+            self._used += -(-written // _ALLOCATION_UNIT) * _ALLOCATION_UNIT
         if self._used > self.store.max_bytes:
             removed, self._used = self.store.evict_to(int(self.store.max_bytes * 0.9))
             self.counters.evicted += removed
