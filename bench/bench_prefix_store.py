@@ -1,6 +1,8 @@
 """The prefix store on disk, side by side in one run: each workload runs in fresh processes
-(start-up included: imports, model load) with the store off, then cold (a fresh store), then
-warm (the store the cold run left), on the default model.
+(start-up included: imports, model load) with the store off, cold (a fresh store) and warm
+(the store the cold run left), on the default model. A run's place in the sequence moves its
+wall by several percent on a shared machine, so the store-off run goes first in odd repeats and
+last in even ones: use an even --repeats for the cold/off ratio.
 
 Prints per run: total wall from process spawn to exit, start-up, generate wall, store hits,
 bytes read/written, full blocks on disk at exit (of those the run computed), and bytes on disk
@@ -26,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 
+from cpu_info import cpu_info  # noqa: E402
 from workload import SUITE, random_workload, scaled  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -37,7 +40,8 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from pagedgen import LLM, SamplingParams
-    from pagedgen.engine.prefix_store import BlockStore, block_keys
+    from pagedgen.engine.prefix_store import block_keys
+    from pagedgen.engine.store_identity import kernel_path
 
     spec = replace(scaled(SUITE[args.workload][0], args.scale), seed=0)
     llm = LLM(None, threads=args.threads, block_size=BLOCK_SIZE, kv_memory=int(args.kv_gib * 2**30),
@@ -52,6 +56,7 @@ def child(args: argparse.Namespace) -> None:
               "startup_cpu_s": cpu_started, "generate_cpu_s": cpu_finished - cpu_started,
               "prompt_tokens": sum(map(len, work.prompts)), "dtype": str(llm.runner.dtype),
               "threads": torch.get_num_threads(), "pool_bytes_per_token": llm.runner.kv_bytes_per_token,
+              "kernel_path": kernel_path(llm.runner),
               "tokens": [o.outputs[0].token_ids for o in outputs]}
     if args.store:
         store = llm.engine.store.store
@@ -95,11 +100,14 @@ def bench(workload: str, args: argparse.Namespace) -> dict:
     for repeat in range(args.repeats):
         with tempfile.TemporaryDirectory(prefix="pagedgen-store-bench-", dir=args.tmp) as tmp:
             store = str(Path(tmp) / "store")
-            rows["off"].append(one_run(workload, "", args))
+            if repeat % 2 == 0:
+                rows["off"].append(one_run(workload, "", args))
             rows["cold"].append(one_run(workload, store, args))
             if args.drop_cache:
                 drop_page_cache(Path(store))
             rows["warm"].append(one_run(workload, store, args))
+            if repeat % 2 == 1:
+                rows["off"].append(one_run(workload, "", args))
         for mode, runs in rows.items():
             r = runs[-1]
             extra = ""
@@ -114,7 +122,8 @@ def bench(workload: str, args: argparse.Namespace) -> dict:
                   f"{r['startup_s']:.1f}, generate {r['generate_s']:.1f}), CPU {r['cpu_s']:.1f} s "
                   f"(generate {r['generate_cpu_s']:.1f}){extra}", flush=True)
         same = rows["off"][-1]["tokens"] == rows["cold"][-1]["tokens"] == rows["warm"][-1]["tokens"]
-        print(f"  {workload} #{repeat + 1}: off/cold/warm greedy tokens identical: {same}", flush=True)
+        print(f"  {workload} #{repeat + 1}: off/cold/warm greedy tokens identical: {same}; "
+              f"kernels: {rows['cold'][-1]['kernel_path']}", flush=True)
     median = {m: statistics.median(r["wall_s"] for r in runs) for m, runs in rows.items()}
     cpu = {m: statistics.median(r["cpu_s"] for r in runs) for m, runs in rows.items()}
     cold = rows["cold"][-1]
@@ -152,7 +161,8 @@ def main() -> None:
         child(args)
         return
     print(f"{time.strftime('%Y-%m-%d %H:%M')} threads {args.threads}, scale {args.scale}, "
-          f"kv {args.kv_cache_dtype}, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+          f"kv {args.kv_cache_dtype}, load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n"
+          f"{cpu_info().summary()}", flush=True)
     results = [bench(w.strip(), args) for w in args.workloads.split(",") if w.strip()]
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
