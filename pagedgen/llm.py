@@ -25,6 +25,7 @@ from pagedgen.memory.report import build_report
 from pagedgen.memory.tracker import MemoryTracker
 from pagedgen.model.device import resolve_device
 from pagedgen.model.loading.loader import load_model
+from pagedgen.model.runtime.weight_bytes import weight_bytes
 from pagedgen.progress import GenerationProgress, RunTotals, loading_status, work_left
 from pagedgen.prompts import (Conversation, EncodedPrompt, Prompt, encode_conversations,
                               normalize_conversations, normalize_prompts, normalize_sampling_params)
@@ -228,12 +229,17 @@ class LLM:
     # --- reporting ---
     def memory_report(self) -> dict[str, Any]:
         """The memory report (memory/report.py schema) over everything run so far; with a prefix
-        store, its "prefix_store" section: hits, bytes read and written, prefill time saved."""
+        store, its "prefix_store" section: hits, bytes read and written, prefill time saved; and
+        what the weights hold in memory (model/runtime/weight_bytes.py)."""
         report = build_report(self.tracker, self.engine.kv.counters)
         if self.last_run is not None:
             report["last_run"] = self.last_run.as_dict()
         if self.engine.store is not None:
             report["prefix_store"] = asdict(self.engine.store.report())
+        packed = self.runner.model.gguf_packed is not None
+        report["weights"] = {"held_as": "packed" if packed else "dense",
+                             "dtype": str(self.runner.dtype).removeprefix("torch."),
+                             **weight_bytes(self.runner.model).as_dict()}
         return report
 
     @property

@@ -160,3 +160,27 @@ def test_auto_packs_only_when_the_dequantized_copy_would_crowd_memory(tmp_path, 
     assert load_model(path, dtype="float32", weights="auto").model.gguf_packed is None
     monkeypatch.setattr(loader, "_available_memory", lambda: 1024)
     assert load_model(path, dtype="float32", weights="auto").model.gguf_packed is not None
+
+
+def test_the_memory_report_shows_the_weight_bytes_as_held(tmp_path):
+    """Packed: the file's quantized blocks (as many bytes as the file's quantized tensors) and
+    small plain tensors; dequantized bf16: two bytes per parameter, plus the GEMM kernels'
+    repacked copies where the CPU has our kernels."""
+    from pagedgen.model.loading.gguf_file import read_gguf
+
+    path = write_quantized_gguf(tmp_path / "q.gguf")
+    quantized = sum(t.data.nbytes for t in read_gguf(path).tensors if t.data.ndim == 2
+                    and t.data.dtype == np.uint8)
+    sections = {}
+    for weights in ("packed", "dequantized"):
+        llm = LLM(str(path), weights=weights, dtype="bfloat16", kv_memory=1 << 20, threads=1)
+        sections[weights] = llm.memory_report()["weights"]
+        if weights == "dequantized":
+            parameters = sum(p.numel() for p in llm.runner.model.parameters())
+    packed, dense = sections["packed"], sections["dequantized"]
+    assert packed["held_as"] == "packed" and dense["held_as"] == "dense"
+    assert packed["gguf_block_bytes"] == quantized and packed["repacked_bytes"] == 0
+    assert packed["plain_bytes"] < quantized                 # norms only
+    assert dense["gguf_block_bytes"] == 0 and dense["plain_bytes"] >= 2 * parameters
+    assert dense["total_bytes"] == dense["plain_bytes"] + dense["repacked_bytes"]
+    assert packed["total_bytes"] < dense["total_bytes"]

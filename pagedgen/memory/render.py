@@ -151,6 +151,36 @@ def groups_table(section: dict[str, Any]) -> Table:
     return _kv_table("Layer groups (hybrid KV cache)", rows)
 
 
+def weights_table(weights: dict[str, Any], pool: dict[str, Any]) -> Table:
+    """What the weights hold beside the KV pool."""
+    held = ("GGUF blocks as stored (packed)" if weights["held_as"] == "packed"
+            else f"dense {weights['dtype']}")
+    rows = [("held as", held), ("weights in memory", human_bytes(weights["total_bytes"]))]
+    parts = [(key, label) for key, label in (("plain_bytes", "plain tensors"),
+                                             ("repacked_bytes", "repacked for the GEMM kernels"),
+                                             ("gguf_block_bytes", "GGUF blocks, mapped file"))
+             if weights[key]]
+    rows += [(f"  {label}", human_bytes(weights[key])) for key, label in parts]
+    rows.append(("weights + KV pool", human_bytes(weights["total_bytes"] + pool["total_bytes"])))
+    return _kv_table("Weights", rows)
+
+
+def store_table(store: dict[str, Any]) -> Table:
+    """The prefix store on disk: what it served instead of prefill, and what it took."""
+    rows = [("folder", store["folder"]),
+            ("prompt tokens read from the store", f"{store['hit_tokens']:,} "
+                                                  f"({store['hit_blocks']:,} blocks)"),
+            ("read / written", f"{human_bytes(store['bytes_read'])} / "
+                               f"{human_bytes(store['bytes_written'])}"),
+            ("prefill time saved (estimate)", f"{store['prefill_seconds_saved']:.1f} s")]
+    if store["writes_dropped"] or store["write_stopped"]:
+        rows.append(("writes dropped", f"{store['writes_dropped']:,}"
+                     + (f" ({store['write_stopped']})" if store["write_stopped"] else "")))
+    if store["damaged_removed"]:
+        rows.append(("damaged blocks removed", f"{store['damaged_removed']:,}"))
+    return _kv_table("Prefix store", rows)
+
+
 def report_renderable(report: dict[str, Any]) -> Group:
     pool, summary, cf = report["pool"], report["summary"], report["counterfactual"]
     parts = [pool_table(pool), peak_table(pool, summary), savings_table(cf),
@@ -161,6 +191,10 @@ def report_renderable(report: dict[str, Any]) -> Group:
         parts.append(groups_table(report["kv_groups"]))
     if "no_sharing" in cf and cf["no_sharing"]["sharing_saved_blocks"] > 0:
         parts.append(sharing_table(summary, cf))
+    if report.get("prefix_store"):
+        parts.append(store_table(report["prefix_store"]))
+    if report.get("weights"):
+        parts.append(weights_table(report["weights"], pool))
     return Group(*parts)
 
 

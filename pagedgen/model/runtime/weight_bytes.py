@@ -1,0 +1,61 @@
+"""What a loaded model's weights hold in memory, by kind, for the memory report.
+
+Three kinds of bytes sit behind a model's projections:
+- plain: the parameters and buffers (unique storages), in the run's dtype;
+- repacked: the copies our GEMM kernels (or oneDNN) read, kept beside the plain weights, which
+  serve the row counts those kernels do not take (model/layers/linear.py);
+- GGUF blocks: with weights="packed", the file's quantized blocks, views of the mapped file
+  (resident as the kernels touch them; nothing is copied).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class WeightBytes:
+    plain_bytes: int
+    repacked_bytes: int
+    gguf_block_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.plain_bytes + self.repacked_bytes + self.gguf_block_bytes
+
+    def as_dict(self) -> dict[str, int]:
+        return {"plain_bytes": self.plain_bytes, "repacked_bytes": self.repacked_bytes,
+                "gguf_block_bytes": self.gguf_block_bytes, "total_bytes": self.total_bytes}
+
+
+def weight_bytes(model: torch.nn.Module) -> WeightBytes:
+    storages: dict[int, int] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        _add_storage(storages, tensor)
+    plain = sum(storages.values())
+    repacked: dict[int, int] = {}
+    for packed in _packed_weights(model):
+        data = getattr(getattr(packed, "inner", packed), "data", None)
+        if isinstance(data, torch.Tensor) and data.untyped_storage().data_ptr() not in storages:
+            _add_storage(repacked, data)
+    gguf = model.gguf_packed.stored_bytes if getattr(model, "gguf_packed", None) else 0
+    return WeightBytes(plain, sum(repacked.values()), gguf)
+
+
+def _add_storage(seen: dict[int, int], tensor: torch.Tensor) -> None:
+    if tensor.device.type == "meta":
+        return
+    storage = tensor.untyped_storage()
+    seen[storage.data_ptr()] = storage.nbytes()
+
+
+def _packed_weights(model: Any) -> list[Any]:
+    """Every projection's packing (None where a projection has none)."""
+    found = [getattr(model, "lm_head_packed", None)]
+    for layer in getattr(model, "layers", ()):
+        found += [layer.attention.qkv_packed, layer.attention.o_packed,
+                  layer.mlp.gate_up_packed, layer.mlp.down_packed]
+    return [p for p in found if p is not None]
