@@ -252,3 +252,34 @@ def test_a_hybrid_pool_gets_the_max_model_len_llm_runs_with(arch):
     assert llm.max_model_len == sized["max_model_len"]
     if arch == "gemma3":   # a full group: the pool's token count would mislead here
         assert sized["max_model_len"] != min(sized["pool_tokens"], 512)
+
+
+def test_the_weights_row_matches_the_file_and_the_loaded_model():
+    """From the headers only: the bytes as stored equal the file's tensors, and the parameter
+    count the loaded model's (its plain tensors hold that many, and buffers such as the RoPE
+    table); the memory left for KV is what is free less each way of holding them."""
+    from pagedgen import LLM
+    from pagedgen.jobs.config import RunConfig
+    from pagedgen.settings import EngineConfig
+    from pagedgen.cli.inspect_memory import sizing_for_config, sizing_renderable
+    from pagedgen.model.loading.default_model import default_model_path
+    from pagedgen.model.loading.gguf_file import read_gguf
+    from tiny_models import tiny_model_dir
+
+    weights = sizing_for_config(RunConfig(EngineConfig(device="cpu")))["weights"]
+    assert weights["stored_bytes"] == sum(t.data.nbytes for t in read_gguf(default_model_path()).tensors)
+    left = weights["left_for_kv"]
+    assert left["packed"] - left["dequantized"] == weights["dequantized_bytes"] - weights["stored_bytes"] > 0
+
+    folder = str(tiny_model_dir("llama"))
+    sized = sizing_for_config(RunConfig(EngineConfig(model=folder, dtype="float32", device="cpu")))
+    llm = LLM(folder, dtype="float32", device="cpu", num_blocks=8)
+    plain = llm.memory_report()["weights"]["plain_bytes"]
+    assert sized["weights"]["parameters"] == sum(p.numel() for p in llm.runner.model.parameters())
+    assert sized["weights"]["dequantized_bytes"] == 4 * sized["weights"]["parameters"] <= plain
+    assert set(sized["weights"]["left_for_kv"]) == {"dequantized"}    # a folder is never packed
+    from rich.console import Console
+
+    console = Console(width=100, record=True)
+    console.print(sizing_renderable(sized))
+    assert "left for KV after the weights" in console.export_text()

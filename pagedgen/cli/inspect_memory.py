@@ -27,7 +27,9 @@ from pagedgen.memory.render import human_bytes
 from pagedgen.model.device import resolve_device
 from pagedgen.model.dtypes import resolve_dtype
 from pagedgen.model.loading.source import locate_model, read_model_config
-from pagedgen.model.runtime.kv_cache import (dtype_bytes, kv_bytes_per_token, kv_format,
+from pagedgen.model.loading.weight_sizes import weight_file_sizes
+from pagedgen.model.runtime.kv_cache import (available_memory_bytes, dtype_bytes,
+                                             kv_bytes_per_token, kv_format,
                                              kv_scale_bytes_per_block, size_kv_pool)
 from pagedgen.model.runtime.kv_groups import (group_layers_by_window, longest_sequence,
                                              pages_for_tokens)
@@ -180,7 +182,23 @@ def sizing_for_config(config: Any, seq_lens: Sequence[int] = ()) -> dict[str, An
                                           pool_tokens)
     sizing = pool_sizing(kv, config.block_size, max_model_len, **size)
     lengths = list(seq_lens) or [n for n in DEFAULT_SEQ_LENS if n < max_model_len] + [max_model_len]
-    return {**sizing_dict(sizing, lengths, shape.name), "device": device}
+    return {**sizing_dict(sizing, lengths, shape.name), "device": device,
+            "weights": weights_dict(locate_model(config.model), dtype, device)}
+
+
+def weights_dict(source: Any, dtype: str, device: str) -> dict[str, Any]:
+    """The weights' bytes as stored and dequantized to the run's dtype, and the memory they
+    leave for the KV pool (what is free now, less the weights)."""
+    sizes = weight_file_sizes(source)
+    dequantized = sizes.parameters * dtype_bytes(dtype)
+    available = available_memory_bytes(device)
+    held = {"dequantized": dequantized}
+    if source.kind == "gguf":   # --weights packed holds the blocks as stored
+        held = {"packed": sizes.stored_bytes, **held}
+    return {"format": source.kind, "stored_bytes": sizes.stored_bytes,
+            "parameters": sizes.parameters, "dequantized_bytes": dequantized, "dtype": dtype,
+            "available_bytes": available,
+            "left_for_kv": {how: available - size for how, size in held.items()}}
 
 
 def sizing_renderable(d: dict[str, Any]) -> RenderableType:
@@ -210,6 +228,9 @@ def sizing_renderable(d: dict[str, Any]) -> RenderableType:
     hybrid = bool(d.get("groups"))
     if hybrid:
         facts.add_row("layer groups", _groups_text(d))
+    if d.get("weights"):
+        for key, value in _weights_rows(d["weights"]):
+            facts.add_row(key, value)
     fits = Table(title="Sequences that fit", title_justify="left")
     columns = ["seq len", "blocks each", "paged", "static at max_model_len", "paged / static"]
     if hybrid:
@@ -224,6 +245,16 @@ def sizing_renderable(d: dict[str, Any]) -> RenderableType:
             row += [f"{f['full_attention_sequences']:,}", f"{f['blocks_freed_by_window']:,}"]
         fits.add_row(*row)
     return Group(facts, fits)
+
+
+def _weights_rows(w: dict[str, Any]) -> list[tuple[str, str]]:
+    stored = "GGUF blocks" if w["format"] == "gguf" else "safetensors"
+    left = ", ".join(f"{human_bytes(size)} {how}" for how, size in w["left_for_kv"].items())
+    return [("weights", f"{human_bytes(w['stored_bytes'])} as stored ({stored}), "
+                        f"{human_bytes(w['dequantized_bytes'])} as {w['dtype']} "
+                        f"({w['parameters']:,} parameters)"),
+            ("memory free now", f"{human_bytes(w['available_bytes'])}; left for KV after the "
+                                f"weights: {left}")]
 
 
 def _groups_text(d: dict[str, Any]) -> str:
