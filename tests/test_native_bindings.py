@@ -57,6 +57,7 @@ def _c_struct(name: str) -> list[tuple[str, type]]:
 
 
 @pytest.mark.parametrize("struct", [decode_step_structs.DecodeLayerWeights,
+                                    decode_step_structs.DecodeKVGroup,
                                     decode_step_structs.DecodeModelShape,
                                     decode_step_structs.DecodeStepBuffers])
 def test_struct_mirrors_match_decode_step_c(struct):

@@ -14,6 +14,11 @@ void add_rms_norm_team(uint16_t *residual, const uint16_t *delta, const uint16_t
 void silu_mul_team(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter);
 void rope_team(const uint16_t *x, int64_t row_stride, const uint16_t *cos_sin, uint16_t *out,
                int64_t tokens, int64_t heads, int64_t head_dim);
+/* Gemma's (1 + w) RMSNorm, the residual add first when delta != NULL; and its GeGLU. */
+void add_offset_rms_norm_team(uint16_t *residual, int64_t outer_stride, const uint16_t *delta,
+                              const uint16_t *weight, int64_t weight_stride, uint16_t *out,
+                              int64_t outer, int64_t inner, int64_t dim, float eps);
+void gelu_tanh_mul_team(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter);
 
 /* gemm_amx.c: x must have whole 16-row blocks readable. amx_available: the CPU has AMX
  * and Linux granted this process the tile state. */

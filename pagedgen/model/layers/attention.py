@@ -5,12 +5,12 @@ CPU) and travels in the step metadata, so the decoder itself is device-agnostic.
 derived from the batch shape alone (the CPU attention plan, RoPE rows) is built once per step
 here, not once per layer; so is each sliding window's plan (window_plan).
 
-Not every step comes through here: on CPU, a pure decode step of a bfloat16 Llama-family model
-whose weights are packed for our GEMMs (and not batch-invariant) runs all its layers, this
-attention included, in one native call, model/layers/fused_decode.py -> kernels/cpu/decode_step.c,
-with the same kernels in the same order. Decoder._fused_step (decoder.py) is where that choice
-is made; prefill chunks, float32, CUDA, batch-invariant runs, hybrid KV caches and Gemma always
-take this module.
+Not every step comes through here: on CPU, a pure decode step of a bfloat16 Llama-family or
+Gemma 3 model whose weights are packed for our GEMMs (and not batch-invariant) runs all its
+layers, this attention included, in one native call, model/layers/fused_decode.py ->
+kernels/cpu/decode_step.c, with the same kernels in the same order. Decoder._fused_step
+(decoder.py) is where that choice is made; prefill chunks, float32, CUDA, batch-invariant runs,
+Qwen3 (its q/k norm runs in torch here) and GGUF weights kept packed always take this module.
 """
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ No padding and no batch dimension: hidden states are [T, hidden] for all tokens 
 sequences of the step; which token belongs to which sequence is in StepMetadata.
 What differs between families is data (ModelConfig.style, layer_types, rope_of): the norm
 style, Gemma's sandwich norms and scaled embeddings, each layer's window and RoPE.
-The fused CPU decode step (fused_decode.py) covers the Llama family only; Gemma runs its
-layers one module at a time.
+On CPU in bfloat16, with the weights packed for our GEMMs, a pure decode step runs every
+layer in one native call (fused_decode.py): the Llama family (not Qwen3) and Gemma 3, on a
+one-group or a hybrid KV pool.
 """
 from __future__ import annotations
 
@@ -133,10 +134,10 @@ class Decoder(nn.Module):
         native call (fused_decode.py -> kernels/cpu/decode_step.c, the same kernels in the same
         order, so the result is bit-identical) when it covers the step: CPU, bfloat16 weights
         packed for our GEMMs, a pure decode step (no prefill chunk), at most the GEMM kernel's
-        rows, the Llama family only (no q/k norm, no Gemma), not batch-invariant (pack_weights
-        builds no fused_decode then).
+        rows, the Llama family (not Qwen3: its q/k norm) or Gemma 3, one-group or hybrid KV
+        pools, not batch-invariant (pack_weights builds no fused_decode then).
         Otherwise None: the layers run one by one (_layer_by_layer, attention.py)."""
-        if self.fused_decode is None or step.layer_slots:  # a hybrid cache: layer by layer
+        if self.fused_decode is None:
             return None
         return self.fused_decode.run(self.config, hidden, step, kv_cache)  # None: not covered
 
