@@ -327,3 +327,175 @@ def test_cli_run_with_a_prefix_store_reports_its_hits(tmp_path):
         results.append((tokens, report["prefix_store"]))
     assert results[0][0] == results[1][0]
     assert results[0][1]["blocks_written"] > 0 and results[1][1]["hit_blocks"] > 0
+
+
+# --- sliding-window models: hybrid pools (Gemma 3) and every layer sliding (Mistral) ---
+
+WINDOW_BLOCK = 8
+WINDOW_NEW_TOKENS = 24
+WINDOW_ARCHITECTURES = ["gemma3", "mistral_window"]  # windows 16 and 24 (tiny_models.WINDOWS)
+
+
+def window_prompts(arch: str) -> list[list[int]]:
+    """A prefix five windows long shared by three prompts (memory and store hits), tails
+    shorter and longer than the window, and a prompt of its own four windows long."""
+    from test_model_parity import random_prompts
+    from tiny_models import WINDOWS
+
+    window = WINDOWS[arch]
+    shared = random_prompts([5 * window], 500, seed=5)[0]
+    tails = random_prompts([3, window + 5, 2 * window + 1], 500, seed=6)
+    return [shared + tail for tail in tails] + random_prompts([4 * window + 3], 500, seed=7)
+
+
+def tight_window_pool(arch: str) -> int:
+    """The longest sequence fits alone with two pages to spare; the four together do not."""
+    from pagedgen.model.runtime.kv_groups import layout_for, pages_for_tokens
+    from tiny_models import tiny_loaded_model
+
+    longest = max(map(len, window_prompts(arch))) + WINDOW_NEW_TOKENS
+    windows = layout_for(tiny_loaded_model(arch).config).group_windows
+    return pages_for_tokens(windows, longest, WINDOW_BLOCK, 16) + 2
+
+
+def window_llm(arch: str, store, num_blocks: int | None = None,
+               kv_cache_dtype: str = "auto") -> LLM:
+    return LLM(str(tiny_model_dir(arch)), dtype="float32", threads=1, block_size=WINDOW_BLOCK,
+               num_blocks=num_blocks or tight_window_pool(arch), max_num_batched_tokens=16,
+               max_num_seqs=4, kv_cache_dtype=kv_cache_dtype, prefix_store=store)
+
+
+def window_run(llm: LLM, arch: str) -> list[list[int]]:
+    greedy = SamplingParams(temperature=0, max_tokens=WINDOW_NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in window_prompts(arch)], greedy,
+                           use_tqdm=False)
+    kv = llm.engine.kv
+    kv.check_integrity()
+    assert kv.snapshot().blocks_used == 0
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def stored_keys(llm: LLM, arch: str) -> list[bytes]:
+    """The keys of every full block of every prompt, in this run's identity."""
+    root = llm.engine.store.link.root
+    return [key for p in window_prompts(arch)
+            for key in block_keys(root, p, WINDOW_BLOCK, len(p) // WINDOW_BLOCK)]
+
+
+@pytest.fixture(scope="module")
+def window_reference() -> dict:
+    return {arch: window_run(window_llm(arch, None), arch) for arch in WINDOW_ARCHITECTURES}
+
+
+@pytest.mark.parametrize("arch", WINDOW_ARCHITECTURES)
+def test_sliding_window_models_cold_and_warm_give_the_same_tokens(tmp_path, window_reference,
+                                                                  arch):
+    """Preempting pools, windows releasing blocks: the cold run stores every full block (the
+    sliding groups' pages before any window too, each file all groups' pages), and the warm
+    run reads them back without changing a token."""
+    folder = tmp_path / "store"
+    cold_llm = window_llm(arch, folder)
+    cold = window_run(cold_llm, arch)
+    stats = cold_llm.engine.scheduler.stats
+    assert stats.preemptions > 0 and cold_llm.engine.kv.counters.window_released > 0
+    store = BlockStore(folder)
+    assert all(store.contains(key) for key in stored_keys(cold_llm, arch))
+    payload = cold_llm.engine.runner.block_payload_size
+    assert store.stats().logical_bytes == store.stats().files * (block_file.HEADER_SIZE + payload)
+
+    warm_llm = window_llm(arch, folder)
+    warm = window_run(warm_llm, arch)
+    assert cold == warm == window_reference[arch]
+    report = store_report(warm_llm)
+    assert report["hit_blocks"] > 0 and report["damaged_removed"] == 0
+    assert warm_llm.engine.kv.counters.window_released > 0
+    assert warm_llm.engine.scheduler.stats.prompt_tokens_computed \
+        <= stats.prompt_tokens_computed - report["hit_tokens"] // 2
+    if arch == "mistral_window":  # every layer slides: only the windows' blocks are read
+        assert report["bytes_read"] < report["hit_blocks"] * (block_file.HEADER_SIZE + payload)
+
+
+def test_every_layer_sliding_serves_prompts_whose_early_blocks_the_store_lost(
+        tmp_path, window_reference):
+    """Mistral reads only the blocks of the window in front of its hit's end: with the first
+    three windows of every prompt gone from the store, the warm run still hits."""
+    arch = "mistral_window"
+    folder = tmp_path / "store"
+    cold_llm = window_llm(arch, folder)
+    window_run(cold_llm, arch)
+    store, root = BlockStore(folder), cold_llm.engine.store.link.root
+    lost = 3 * 24 // WINDOW_BLOCK
+    for prompt in window_prompts(arch):
+        for key in block_keys(root, prompt, WINDOW_BLOCK, lost):
+            store.discard(store.path_of(key))
+    warm_llm = window_llm(arch, folder, num_blocks=256)  # roomy: hits come from the store only
+    assert window_run(warm_llm, arch) == window_reference[arch]
+    assert store_report(warm_llm)["hit_blocks"] > 0
+
+
+def test_hybrid_pool_with_an_8_bit_kv_reads_the_store_without_changing_a_token(tmp_path):
+    """int8 codes and scales of every group's page travel with the block. A roomy pool: no
+    preemption, so each run writes each block's codes the same way."""
+    arch = "gemma3"
+    off = window_run(window_llm(arch, None, 256, "int8"), arch)
+    cold = window_run(window_llm(arch, tmp_path / "s", 256, "int8"), arch)
+    warm_llm = window_llm(arch, tmp_path / "s", 256, "int8")
+    assert window_run(warm_llm, arch) == cold == off
+    assert store_report(warm_llm)["hit_blocks"] > 0
+
+
+def test_a_hybrid_pool_attends_to_the_stored_bytes(tmp_path, window_reference):
+    """Every stored block rewritten as zeros (checksum valid): the warm Gemma 3 run answers
+    otherwise, so it really copies each group's page in from the store."""
+    arch = "gemma3"
+    folder = tmp_path / "store"
+    window_run(window_llm(arch, folder), arch)
+    store = BlockStore(folder)
+    for path, _ in store.block_files():
+        key, size = block_file.read_header(memoryview(path.read_bytes()))
+        path.write_bytes(b"".join(block_file.encode(key, bytes(size))))
+    assert window_run(window_llm(arch, folder), arch) != window_reference[arch]
+
+
+def test_block_bytes_of_a_hybrid_pool_are_each_groups_page_in_group_order():
+    """Payload = every group's page K/V in group order, then their scales in group order; a
+    negative page (not loaded) is skipped on the way in, the other pages land whole."""
+    import numpy as np
+    import torch
+
+    from pagedgen.model.runtime import kv_block_bytes
+
+    kv = torch.randn(3, 2, 10, 4, 2, 8)       # G = 3 layers per group, 10 pages
+    scales = torch.rand(3, 2, 10, 2)
+    rows = kv_block_bytes.read_blocks(kv, scales, [(3, 4), (7, 8)])
+    def page(pool, p):
+        return pool[:, :, p].contiguous().view(torch.uint8).reshape(-1).numpy()
+
+    expected = np.concatenate([page(kv, 7), page(kv, 8), page(scales, 7), page(scales, 8)])
+    assert rows.shape[1] == kv_block_bytes.block_payload_size(kv, scales, num_groups=2)
+    assert np.array_equal(rows[1], expected)
+    # One group: the page's K/V then its scales, as a pool without groups always stored it.
+    assert np.array_equal(kv_block_bytes.read_blocks(kv, scales, [7])[0],
+                          np.concatenate([page(kv, 7), page(scales, 7)]))
+
+    into, into_scales = torch.zeros_like(kv), torch.zeros_like(scales)
+    kv_block_bytes.write_blocks(into, into_scales, [(0, 1), (2, -1)],
+                                [memoryview(row) for row in rows])
+    for target, source in [(0, 3), (1, 4), (2, 7)]:
+        assert torch.equal(into[:, :, target], kv[:, :, source])
+        assert torch.equal(into_scales[:, :, target], scales[:, :, source])
+    assert not into[:, :, 3:].any() and not into_scales[:, :, 3:].any()  # page 8 not loaded
+
+
+def test_the_store_identity_names_the_layer_grouping():
+    """Several groups: the grouping is part of the identity, so another grouping (another
+    payload layout of the same K/V) never reads the files. One group holds every layer in
+    order whatever its window: the text (and every key) of a full-attention pool."""
+    from pagedgen.engine.store_identity import group_layout
+    from pagedgen.model.runtime.kv_groups import group_layers_by_window
+
+    assert group_layout(group_layers_by_window([0] * 4)) == "attention=full"
+    assert group_layout(group_layers_by_window([24] * 4)) == "attention=full"
+    layouts = [group_layout(group_layers_by_window(w))
+               for w in ([16, 16, 0, 16], [16, 0, 16, 16], [16, 16, 0, 0], [32, 32, 0, 32])]
+    assert len(set(layouts)) == len(layouts) and "attention=full" not in layouts

@@ -34,6 +34,13 @@ Rules it keeps (B = block_size):
   same tokens (the group index is part of the extra key), so chains never depend on which blocks
   are still present. A prefix hit in a sliding group needs only the blocks covering the window
   in front of the hit point; the entries before it are NULL_BLOCK.
+* **The prefix store on disk** (attach_store, store_link.py). A stored block is every layer's
+  K/V of its tokens: its page in every group, saved when it becomes full (no window has
+  released it yet). After the memory hits, an admission takes the stored blocks that follow, up
+  to the largest end whose needed blocks all read back whole: a full group needs every one, a
+  sliding group only those of its window in front of the end (NULL_BLOCK before, memory hits
+  included). A pool whose every group slides therefore serves a hit whose early blocks the
+  store has lost.
 
 Errors: bad use raises at once and changes nothing (`append_slots` checks capacity before it
 mutates). Copy-on-write pairs must be applied in list order before the step's K/V are written.
@@ -50,7 +57,7 @@ from pagedgen.settings import default
 
 from .block_hash import BlockHash, as_token_ids, iter_block_hashes
 from .block_pool import BlockPool
-from .store_link import StoreLink
+from .store_link import NeedStart, Pages, StoreLink, StoreRead
 from .kv_types import (
     DuplicateSequenceError, GroupSnapshot, KVCounters, NoFreeBlocksError, PoolSnapshot,
     UnknownSequenceError,
@@ -75,6 +82,7 @@ class _SequenceBlocks:
     chain_hashes: list[int | None]  # per group: hash value of its last full block
     partial: list[int] = field(default_factory=list)  # tokens of the unfilled last block
     released: list[int] = field(default_factory=list)  # per group: leading NULL_BLOCK entries
+    store_key: bytes | None = None  # prefix store key of its last full block (None: no store)
 
     @property
     def table(self) -> list[int]:
@@ -135,7 +143,7 @@ class KVCacheManager:
     # --- side-effect-free questions ---
     def num_cached_prefix_tokens(self, token_ids: TokenIds) -> int:
         hit = self._prefix_hits(token_ids)
-        return (hit.blocks + self._stored_blocks(token_ids, hit.blocks)) * self.block_size
+        return self._stored_end(token_ids, hit.blocks) * self.block_size
 
     def blocks_for_tokens(self, num_tokens: int, chunk: int = 1) -> int:
         """Pages one sequence of num_tokens tokens holds at most when it runs alone, computing
@@ -148,15 +156,11 @@ class KVCacheManager:
         the cached prefix) succeed now? A hit on a cached free block uses up a free block."""
         require_int("num_new_tokens", num_new_tokens, 0)
         hit = self._prefix_hits(token_ids)
-        hit_blocks, hits = hit.blocks, hit.tables
-        stored = self._stored_blocks(token_ids, hit_blocks)  # each needs a fresh block
-        covered = (hit_blocks + stored) * self.block_size + num_new_tokens
+        end = self._stored_end(token_ids, hit.blocks)
+        covered = end * self.block_size + num_new_tokens
         if self.blocks_for_tokens(max(len(token_ids), covered), num_new_tokens) > self.num_blocks:
             return False
-        revived = sum(1 for table in hits for block in table
-                      if block != NULL_BLOCK and self._pool.ref_count(block) == 0)
-        new_blocks = (self._blocks_spanned(covered) - hit_blocks) * self.num_groups
-        return revived + new_blocks <= self._pool.num_free
+        return self._admission_pages(hit, end, self._blocks_spanned(covered)) <= self._pool.num_free
 
     def can_append(self, seq_ids: SeqIds, num_tokens: int | abc.Sequence[int]) -> bool:
         """Can every listed sequence append its tokens, one after another, right now?"""
@@ -202,27 +206,27 @@ class KVCacheManager:
                 "give the KV cache more memory or shorten the prompt",
                 needed=needed, available=self._pool.num_free, total=self.num_blocks)
         hit = self._prefix_hits(token_ids) if use_prefix_cache else self._no_hit()
-        hit_blocks, hits, chains = hit.blocks, hit.tables, hit.chains
-        for g, table in enumerate(hits):
+        memory_hits = hit.blocks
+        read = self._read_store(seq_id, token_ids, hit) if use_prefix_cache else None
+        if read is not None:
+            # Before any reference is taken: the longer hit's windows may no longer read some.
+            self._cut_to_windows(hit.tables, read.end)
+        for g, table in enumerate(hit.tables):
             for block in table:
                 if block != NULL_BLOCK:
                     self._take_cached(block, g)
-        memory_hits = hit_blocks
-        if use_prefix_cache and self.store is not None:  # one group only (attach_store)
-            loaded = self._load_stored_blocks(token_ids, hits[0], chains[0])
-            hits[0].extend(loaded)
-            if loaded:
-                chains[0] = self._pool.block_hash(loaded[-1]).value
-            hit_blocks += len(loaded)
-        released = [table.count(NULL_BLOCK) for table in hits]
-        self._seqs[seq_id] = _SequenceBlocks(hits, hit_blocks * self.block_size, chains, [],
-                                             released)
-        self._logical_blocks += sum(len(t) - r for t, r in zip(hits, released))
+        if read is not None:
+            self._load_stored(token_ids, hit, read)
+        store_key = self._store_key(token_ids, hit.blocks, read)
+        released = [table.count(NULL_BLOCK) for table in hit.tables]
+        self._seqs[seq_id] = _SequenceBlocks(hit.tables, hit.blocks * self.block_size,
+                                             hit.chains, [], released, store_key)
+        self._logical_blocks += sum(len(t) - r for t, r in zip(hit.tables, released))
         self._count_released(released, 1)
         if self.enable_prefix_caching:
             self.counters.prefix_query_tokens += len(token_ids)
             self.counters.prefix_hit_tokens += memory_hits * self.block_size
-        return hit_blocks * self.block_size
+        return hit.blocks * self.block_size
 
     def append_slots(self, seq_id: int, token_ids: TokenIds) -> None:
         """Reserve slots for the tokens computed this step (see contract); atomic on error."""
@@ -265,7 +269,7 @@ class KVCacheManager:
                     self._pool.incref(block)
         self._seqs[child_id] = _SequenceBlocks(
             [list(t) for t in parent.tables], parent.num_tokens, list(parent.chain_hashes),
-            list(parent.partial), list(parent.released))
+            list(parent.partial), list(parent.released), parent.store_key)
         self._logical_blocks += sum(len(t) - r for t, r in zip(parent.tables, parent.released))
         self._count_released(parent.released, 1)
 
@@ -378,39 +382,104 @@ class KVCacheManager:
 
     # --- the prefix store on disk (store_link.py) ---
     def attach_store(self, link: StoreLink) -> None:
-        """One layer group only: a stored block is every layer's K/V of its tokens, whereas a
-        hybrid pool's page holds one group's layers (docs/prefix_store.md)."""
+        """Any layer grouping: a stored block holds its page of every group (module doc)."""
         if not self.enable_prefix_caching:
             raise ValueError("prefix_store needs prefix caching on (enable_prefix_caching=True)")
-        if self.num_groups != 1:
-            raise ValueError("prefix_store does not yet serve models with sliding-window layer "
-                             "groups (a hybrid KV pool); run this model without it")
         self.store = link
 
-    def _stored_blocks(self, token_ids: TokenIds, hit_blocks: int) -> int:
-        """Full blocks after the memory hits that the store holds (the last token computed)."""
-        if self.store is None or len(token_ids) < 2:
-            return 0
-        return self.store.probe(token_ids, hit_blocks, (len(token_ids) - 1) // self.block_size)
+    def _store_need_start(self, first: int) -> NeedStart | None:
+        """need_start of the store's hit search after `first` memory-hit blocks: None when a
+        full group needs every stored block; else the earliest window start of the hit's end,
+        as a pool whose every group slides reads nothing before its windows."""
+        if self._full:
+            return None
+        return lambda end: max(first, min(self._window_start(g, end * self.block_size)
+                                          for g in self._sliding))
 
-    def _load_stored_blocks(self, token_ids: TokenIds, hits: list[int],
-                            parent: int | None) -> list[int]:
-        """Fresh blocks, hashed like computed ones, for the stored blocks after the memory hits
-        that read back whole; the runner copies their bytes in before the step."""
-        count = self._stored_blocks(token_ids, len(hits))
+    def _stored_end(self, token_ids: TokenIds, hit_blocks: int) -> int:
+        """Where the hit ends with the store's blocks after the memory hits (by the files
+        present; the last prompt token is always computed)."""
+        if self.store is None or len(token_ids) < 2:
+            return hit_blocks
+        last = (len(token_ids) - 1) // self.block_size
+        return self.store.probe(token_ids, hit_blocks, last, self._store_need_start(hit_blocks))
+
+    def _read_store(self, seq_id: int, token_ids: TokenIds,
+                    hit: _PrefixHit) -> StoreRead | None:
+        """The stored blocks after the memory hits that read back whole (None without a store
+        or without stored blocks). NoFreeBlocksError, before anything changes, when the pool
+        cannot take them: a shorter end (a block that fails) never takes more pages."""
+        if self.store is None:
+            return None
+        end = self._stored_end(token_ids, hit.blocks)
+        if end == hit.blocks:
+            return None
+        self._require_free(self._admission_pages(hit, end, end), seq_id)
+        return self.store.read(token_ids, hit.blocks, end, self._store_need_start(hit.blocks))
+
+    def _store_key(self, token_ids: TokenIds, hit_blocks: int,
+                   read: StoreRead | None) -> bytes | None:
+        """The key of an admitted sequence's last hit block: its chain of store keys goes on
+        from there (None without a store)."""
+        if self.store is None:
+            return None
+        return read.parent if read is not None else self.store.chain_key(token_ids, hit_blocks)
+
+    def _cut_to_windows(self, tables: list[list[int]], end: int) -> None:
+        """A hit ending at block `end`: NULL_BLOCK where a sliding group's window no longer
+        reads a memory-hit block."""
+        for g in self._sliding:
+            table = tables[g]
+            for index in range(min(self._window_start(g, end * self.block_size), len(table))):
+                table[index] = NULL_BLOCK
+
+    def _admission_pages(self, hit: _PrefixHit, end: int, spanned: int) -> int:
+        """Free pages an admission whose hit ends at block `end` (memory hits, then stored
+        blocks) and whose first append reaches `spanned` blocks takes: in each group, its
+        cached free memory hits in the window, then a fresh page per block from the memory
+        hits' end (or the window's start, if later) on."""
+        pages = 0
+        for g, table in enumerate(hit.tables):
+            start = self._window_start(g, end * self.block_size)
+            pages += sum(1 for block in table[start:]
+                         if block != NULL_BLOCK and self._pool.ref_count(block) == 0)
+            pages += spanned - max(hit.blocks, start)
+        return pages
+
+    def _load_stored(self, token_ids: TokenIds, hit: _PrefixHit, read: StoreRead) -> None:
+        """Fresh pages, hashed like computed ones, for the blocks read.first .. read.end-1 in
+        every group that reads them (NULL_BLOCK before a sliding group's window); the runner
+        copies their bytes in before the step."""
+        first, count = read.first, read.end - read.first
         if count == 0:
-            return []
-        found = self.store.read(token_ids, len(hits), count)
-        tail = token_ids[len(hits) * self.block_size:]
-        hashes = iter_block_hashes(tail, self.block_size, len(found), self._group_key(0), parent)
-        blocks = []
-        for (key, payload), block_hash in zip(found, hashes):
-            block = self._allocate(0)
-            self._pool.register_hash(block, block_hash)
-            self.store.loaded(block, key, payload)
-            blocks.append(block)
-        self._tokens_stored += len(blocks) * self.block_size
-        return blocks
+            return  # every block it announced failed its check
+        tail = token_ids[first * self.block_size:read.end * self.block_size]
+        for g, table in enumerate(hit.tables):
+            start = self._window_start(g, read.end * self.block_size)
+            hashes = list(iter_block_hashes(tail, self.block_size, count, self._group_key(g),
+                                            hit.chains[g]))
+            for index, block_hash in enumerate(hashes, first):
+                if index < start:
+                    table.append(NULL_BLOCK)
+                    continue
+                block = self._allocate(g)
+                self._pool.register_hash(block, block_hash)
+                table.append(block)
+                self._tokens_stored += self.block_size
+            # The chain goes on from the last block's hash, which every group holds.
+            hit.chains[g] = hashes[-1].value
+        pages = self._pages(hit.tables, read.start, read.end - read.start)
+        for block_pages, key, payload in zip(pages, read.keys, read.payloads):
+            self.store.loaded(block_pages, key, payload)
+        self.store.served(count)
+        hit.blocks = read.end
+
+    def _pages(self, tables: list[list[int]], first: int, count: int) -> list[Pages]:
+        """Per block first .. first+count-1, its pages as the store link names them (a page
+        id alone in a one-group pool, so its saves and loads are plain page ids)."""
+        if self.num_groups == 1:
+            return tables[0][first:first + count]
+        return list(zip(*(table[first:first + count] for table in tables)))
 
     # --- internals ---
     def _blocks_spanned(self, num_tokens: int) -> int:
@@ -532,8 +601,10 @@ class KVCacheManager:
                 self._pool.register_hash(table[first + offset], block_hash)
             if hashes:
                 seq.chain_hashes[g] = hashes[-1].value
-        if completed[0] and self.store is not None:
-            self.store.filled(seq.tables[0], first, [h.token_ids for h in completed[0]])
+        if completed[0] and seq.store_key is not None:
+            # Every group still holds these pages: a window releases a block at a later append.
+            seq.store_key = self.store.filled(self._pages(seq.tables, first, len(completed[0])),
+                                              seq.store_key, [h.token_ids for h in completed[0]])
         if completed[0]:
             # The new partial block holds only tokens of this call (a block was completed).
             remainder = (seq.num_tokens + len(token_ids)) % self.block_size

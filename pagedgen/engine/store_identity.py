@@ -16,6 +16,7 @@ import torch
 
 from pagedgen.kernels.cpu import native
 from pagedgen.model.loading.source import ModelSource
+from pagedgen.model.runtime.kv_groups import KVGroupLayout
 
 from .prefix_store import BlockStore, StoreIdentity, file_content_digest
 from .store_steps import PrefixStoreSetup
@@ -30,13 +31,25 @@ def store_setup(prefix_store: str | os.PathLike | BlockStore, source: ModelSourc
 def runner_identity(source: ModelSource, runner: Any, digest_cache: Path | None) -> StoreIdentity:
     cfg = runner.config
     layers = (f"{cfg.architecture} layers={cfg.num_layers} kv_heads={cfg.num_kv_heads} "
-              f"head_dim={cfg.head_dim} heads={cfg.num_heads} attention=full")
+              f"head_dim={cfg.head_dim} heads={cfg.num_heads} {group_layout(runner.kv_layout)}")
     rope = f"theta={cfg.rope_theta!r} scaling={sorted((cfg.rope_scaling or {}).items())!r}"
     return StoreIdentity(
         model_digest=file_content_digest(model_files(source), digest_cache),
         weights_format=source.kind, dtype=str(runner.dtype).removeprefix("torch."),
         kv_cache_dtype=runner.kv_cache_dtype, block_size=runner.block_size, layers=layers,
         rope=rope, kernel_path=kernel_path(runner), batch_invariant=runner.batch_invariant)
+
+
+def group_layout(layout: KVGroupLayout) -> str:
+    """How a stored block's payload is laid out: its page in each layer group, in group order,
+    each page the group's layers by position. One group holds every layer in order, whatever
+    its window, so it keeps the text (and the keys) of a full-attention pool; with several
+    groups another grouping lays the same K/V out otherwise and must never read these files."""
+    if not layout.is_hybrid:
+        return "attention=full"
+    return (f"attention=groups of {layout.group_size} windows={list(layout.group_windows)} "
+            f"layer_group={list(layout.layer_group)} "
+            f"layer_position={list(layout.layer_position)}")
 
 
 def model_files(source: ModelSource) -> list[Path]:

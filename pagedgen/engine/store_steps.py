@@ -52,7 +52,7 @@ class StoreTraffic:
     def before_step(self, runner: Any) -> None:
         loads = self.link.take_loads()
         if loads:
-            runner.write_blocks([b for b, _ in loads], [p for _, p in loads])
+            runner.write_blocks([pages for pages, _ in loads], [p for _, p in loads])
 
     def after_step(self, runner: Any, forward_seconds: float, tokens: int) -> None:
         self._forward_seconds += forward_seconds
@@ -61,7 +61,7 @@ class StoreTraffic:
         if not saves or self.writer.stopped_reason is not None:
             self.writer.counters.dropped_stopped += len(saves)  # no copy for a stopped writer
             return
-        rows = runner.read_blocks([b for b, _ in saves])
+        rows = runner.read_blocks([pages for pages, _ in saves])
         for (_, key), row in zip(saves, rows):
             if not self.writer.submit(key, row):
                 self.link.forget_queued(key)

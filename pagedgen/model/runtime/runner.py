@@ -103,15 +103,19 @@ class ModelRunner:
     prompt_hidden: list[torch.Tensor] = []  # of the last step's prompt_logprobs chunks
 
     # --- whole blocks as bytes, for the prefix store on disk (kv_block_bytes.py) ---
+    # A stored block is its page in every layer group; block_pages: per block, its page id
+    # (one group) or its page id in each group (negative: not loaded).
     @property
     def block_payload_size(self) -> int:
-        return kv_block_bytes.block_payload_size(self.kv_cache, self.kv_scales)
+        return kv_block_bytes.block_payload_size(self.kv_cache, self.kv_scales,
+                                                 self.kv_layout.num_groups)
 
-    def read_blocks(self, block_ids: list[int]) -> Any:
-        return kv_block_bytes.read_blocks(self.kv_cache, self.kv_scales, block_ids)
+    def read_blocks(self, block_pages: kv_block_bytes.BlockPages) -> Any:
+        return kv_block_bytes.read_blocks(self.kv_cache, self.kv_scales, block_pages)
 
-    def write_blocks(self, block_ids: list[int], payloads: list[memoryview]) -> None:
-        kv_block_bytes.write_blocks(self.kv_cache, self.kv_scales, block_ids, payloads)
+    def write_blocks(self, block_pages: kv_block_bytes.BlockPages,
+                     payloads: list[memoryview]) -> None:
+        kv_block_bytes.write_blocks(self.kv_cache, self.kv_scales, block_pages, payloads)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
