@@ -44,6 +44,7 @@ FENCE = re.compile(r"^```(\w*)\s*$")
 MARK = re.compile(r"^<!--\s*(run|not run|output):?\s*(.*?)\s*-->\s*$")
 # Figures that change from run to run: seconds, rates, ETAs.
 VOLATILE = re.compile(r"\d[\d,]*(\.\d+)?(?=\s*(s\b|ms\b|tok/s|gen tok/s|generated tok/s|prompt tok/s|GFLOP))")
+FREE_MEMORY = re.compile(r"free now .*")  # inspect-memory: the machine's, at that moment
 DOC_TIMEOUT_S = 900
 # Pictures the documents show, made by their examples: copied back by --write.
 IMAGES = {"out/prompts.report/memory_timeline.png": "docs/img/timeline_prompts_1gib.png",
@@ -217,7 +218,7 @@ def trim(text: str, options: dict[str, str]) -> str:
 
 
 def masked(text: str) -> str:
-    return VOLATILE.sub("#", text)
+    return FREE_MEMORY.sub("free now #", VOLATILE.sub("#", text))
 
 
 def shown_output(doc_lines: list[str], example: Example) -> str | None:

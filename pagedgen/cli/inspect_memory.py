@@ -21,6 +21,7 @@ from typing import Any
 
 from rich.console import Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from pagedgen.engine.engine_config import resolve_max_model_len
 from pagedgen.memory.render import human_bytes
@@ -229,8 +230,7 @@ def sizing_renderable(d: dict[str, Any]) -> RenderableType:
     if hybrid:
         facts.add_row("layer groups", _groups_text(d))
     if d.get("weights"):
-        for key, value in _weights_rows(d["weights"]):
-            facts.add_row(key, value)
+        facts.add_row("weights", _weights_text(d["weights"]))
     fits = Table(title="Sequences that fit", title_justify="left")
     columns = ["seq len", "blocks each", "paged", "static at max_model_len", "paged / static"]
     if hybrid:
@@ -244,17 +244,22 @@ def sizing_renderable(d: dict[str, Any]) -> RenderableType:
         if hybrid:
             row += [f"{f['full_attention_sequences']:,}", f"{f['blocks_freed_by_window']:,}"]
         fits.add_row(*row)
+    if d.get("weights"):
+        return Group(facts, Text(free_memory_line(d["weights"])), fits)
     return Group(facts, fits)
 
 
-def _weights_rows(w: dict[str, Any]) -> list[tuple[str, str]]:
+def _weights_text(w: dict[str, Any]) -> str:
     stored = "GGUF blocks" if w["format"] == "gguf" else "safetensors"
+    return (f"{human_bytes(w['stored_bytes'])} as stored ({stored}), "
+            f"{human_bytes(w['dequantized_bytes'])} as {w['dtype']} ({w['parameters']:,} parameters)")
+
+
+def free_memory_line(w: dict[str, Any]) -> str:
+    """What is free now and what the weights leave of it for KV (a line of its own: it changes
+    from one moment to the next)."""
     left = ", ".join(f"{human_bytes(size)} {how}" for how, size in w["left_for_kv"].items())
-    return [("weights", f"{human_bytes(w['stored_bytes'])} as stored ({stored}), "
-                        f"{human_bytes(w['dequantized_bytes'])} as {w['dtype']} "
-                        f"({w['parameters']:,} parameters)"),
-            ("memory free now", f"{human_bytes(w['available_bytes'])}; left for KV after the "
-                                f"weights: {left}")]
+    return f"free now {human_bytes(w['available_bytes'])}; left for KV {left}"
 
 
 def _groups_text(d: dict[str, Any]) -> str:
