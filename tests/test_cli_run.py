@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 import pagedgen.jobs.run_job as run_job
 from pagedgen.cli.app import app
 from tiny_models import tiny_hf_model, tiny_model_dir, tiny_tokenizer
+from interrupts import signal_after_results
 from jsonl_files import read_jsonl, write_jsonl
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -161,15 +162,7 @@ def test_usage_and_config_errors_exit_2_before_running(tmp_path, config_path):
 def test_interrupted_run_resumes_and_answers_every_id_once(tmp_path, config_path, monkeypatch):
     ids = [f"r{i}" for i in range(8)]
     inputs = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"x = {n}"} for n, i in enumerate(ids)])
-    real_record, written = run_job.result_record, []
-
-    def record_then_sigterm(result):
-        # A real SIGTERM to this process after the 3rd result, delivered mid-write.
-        written.append(result)
-        if len(written) == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_record(result)
-    monkeypatch.setattr(run_job, "result_record", record_then_sigterm)
+    real_record = signal_after_results(monkeypatch, 3, signal.SIGTERM)  # mid-write
     first = run_cli(inputs, "-c", config_path, "--max-num-seqs", 1, "--no-report")
     assert first.exit_code == 128 + signal.SIGTERM
     assert "Interrupted by SIGTERM: 3 of 8 requests done" in first.stderr

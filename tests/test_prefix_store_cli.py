@@ -5,13 +5,13 @@ was never interrupted."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 
 from typer.testing import CliRunner
 
 import pagedgen.jobs.run_job as run_job
 from pagedgen.cli.app import app
+from interrupts import signal_after_results
 from jsonl_files import read_jsonl, write_jsonl
 from tiny_models import tiny_model_dir
 
@@ -51,15 +51,8 @@ def test_resume_reads_the_blocks_an_interrupted_run_computed(tmp_path, monkeypat
     folder, store = tmp_path / "stored", tmp_path / "store"
     folder.mkdir()
     inputs, config = write_inputs(folder), write_config(folder, store)
-    real_record, written = run_job.result_record, []
-
-    def record_then_ctrl_c(result):
-        # A real SIGINT to this process after the first answer, while others are prefilled.
-        written.append(result)
-        if len(written) == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real_record(result)
-    monkeypatch.setattr(run_job, "result_record", record_then_ctrl_c)
+    # A real SIGINT to this process at the first answer, while others are being prefilled.
+    real_record = signal_after_results(monkeypatch, 1, signal.SIGINT)
     first = run_cli(inputs, "-c", config, "--no-report")
     assert first.exit_code == 128 + signal.SIGINT, first.output
     output = folder / "in.completions.jsonl"
