@@ -166,12 +166,7 @@ def test_fused_decode_of_a_sliding_model_is_bit_identical_to_its_layers():
     # last steps reach past the window. The decoder hands the fused step its layers' windows.
     runner = _runner(str(tiny_model_dir("mistral_window")))
     assert runner.model.fused_decode.layer_windows.tolist() == [24, 24]
-    fused_logits, fused_cache, spy = _generate(runner, fused=True)
-    layer_logits, layer_cache, _ = _generate(runner, fused=False)
-    assert [r is not None for r in spy.results] == [False] + [True] * (len(fused_logits) - 1)
-    for fused, layered in zip(fused_logits, layer_logits):
-        assert torch.equal(fused, layered)
-    assert torch.equal(fused_cache[0], layer_cache[0])
+    _assert_fused_equals_layers(runner)
 
 
 # --- Sliding layers over pools whose windows released blocks; Gemma 3 (offset and sandwich
