@@ -184,3 +184,30 @@ def test_the_memory_report_shows_the_weight_bytes_as_held(tmp_path):
     assert dense["gguf_block_bytes"] == 0 and dense["plain_bytes"] >= 2 * parameters
     assert dense["total_bytes"] == dense["plain_bytes"] + dense["repacked_bytes"]
     assert packed["total_bytes"] < dense["total_bytes"]
+
+
+def test_the_pool_is_sized_after_the_weights_and_sets_the_mapped_blocks_aside(tmp_path, monkeypatch):
+    """Free memory does not show a mapped file's blocks until the first steps touch them: a
+    share of free memory is taken after setting them aside, and a pool that fits only if they
+    never page in is refused, naming them. Dense weights' repacked copies are made before free
+    memory is read, so free memory already shows them."""
+    from pagedgen.model.runtime import kv_cache as kv
+
+    path = write_quantized_gguf(tmp_path / "q.gguf")
+    loaded = load_model(path, dtype="float32", weights="packed")
+    mapped = loaded.model.gguf_packed.stored_bytes
+    per_block = 8 * loaded.config.kv_bytes_per_token(torch.float32)
+    monkeypatch.setattr(kv, "available_memory_bytes", lambda device: mapped + per_block * 100)
+    runner = ModelRunner(loaded, EngineConfig(block_size=8), kv_memory_fraction=0.5)
+    assert mapped > 0 and runner.num_blocks == 50
+    with pytest.raises(ValueError, match=f"less {mapped} bytes of mapped weights not resident "
+                                         "yet; the largest pool that fits is 100 blocks"):
+        ModelRunner(loaded, EngineConfig(block_size=8, num_blocks=101))
+
+    seen_packing = []  # the LM head's packing when free memory is read (None: not made yet)
+    dense = load_model(path, dtype="bfloat16", weights="dequantized")
+    per_block = 8 * dense.config.kv_bytes_per_token(torch.bfloat16)
+    monkeypatch.setattr(kv, "available_memory_bytes", lambda device: seen_packing.append(
+        dense.model.lm_head_packed) or per_block * 100)
+    assert ModelRunner(dense, EngineConfig(block_size=8), kv_memory_fraction=0.5).num_blocks == 50
+    assert seen_packing == [dense.model.lm_head_packed]  # None only where the CPU packs nothing

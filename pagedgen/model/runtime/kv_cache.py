@@ -83,13 +83,17 @@ def _meminfo_available(path: Path = Path("/proc/meminfo")) -> int:
 
 def size_kv_pool(*, bytes_per_token: int, block_size: int, device: torch.device | str,
                  num_blocks: int | None = None, kv_memory_bytes: int | None = None,
-                 kv_memory_fraction: float | None = None, check_available: bool = True) -> KVPoolSize:
+                 kv_memory_fraction: float | None = None, check_available: bool = True,
+                 reserved_bytes: int = 0) -> KVPoolSize:
     """The one rule that sizes the KV pool, from at most one of: num_blocks, a byte budget, a
     fraction of free memory; with none, the device's default (see DEFAULT_KV_MEMORY_BYTES).
 
     check_available: refuse, before anything is allocated, a pool larger than the memory
     available now, naming the largest pool that fits (inspect-memory sizes hypothetical pools
     and turns it off).
+    reserved_bytes: memory the run will take that is not resident yet, so free memory does not
+    show it (weights mapped from a file, paged in by the first steps); set aside before a
+    fraction is taken or a pool is judged to fit.
     """
     given = [name for name, value in (("num_blocks", num_blocks), ("kv_memory_bytes", kv_memory_bytes),
                                       ("kv_memory_fraction", kv_memory_fraction)) if value is not None]
@@ -99,18 +103,28 @@ def size_kv_pool(*, bytes_per_token: int, block_size: int, device: torch.device 
     if num_blocks is not None:
         pool = KVPoolSize(num_blocks, num_blocks * per_block, f"num_blocks={num_blocks}")
     else:
-        budget, source = _budget(kv_memory_bytes, kv_memory_fraction, device)
+        budget, source = _budget(kv_memory_bytes, kv_memory_fraction, device, reserved_bytes)
         pool = KVPoolSize(blocks_for_budget(budget, block_size, bytes_per_token), budget, source)
         if pool.num_blocks < 1:
             raise ValueError(f"{source} gives {budget} bytes, less than one KV block ({per_block} bytes "
                              f"= {block_size} tokens x {bytes_per_token} bytes/token)")
     if check_available and kv_memory_fraction is None:
-        _refuse_oversize(pool, per_block, device)
+        _refuse_oversize(pool, per_block, device, reserved_bytes)
     return pool
 
 
+def _free_for_kv(device: torch.device | str, reserved_bytes: int) -> tuple[int, str]:
+    """Free memory less the reserve, and how to say it."""
+    free = available_memory_bytes(device)
+    if reserved_bytes <= 0:
+        return free, f"the {free} bytes available on {device}"
+    return (max(0, free - reserved_bytes),
+            f"the {free} bytes available on {device} less {reserved_bytes} bytes of mapped "
+            "weights not resident yet")
+
+
 def _budget(kv_memory_bytes: int | None, kv_memory_fraction: float | None,
-            device: torch.device | str) -> tuple[int, str]:
+            device: torch.device | str, reserved_bytes: int = 0) -> tuple[int, str]:
     if kv_memory_bytes is not None:
         return kv_memory_bytes, f"kv_memory={kv_memory_bytes}"
     device_type = torch.device(device).type
@@ -119,20 +133,21 @@ def _budget(kv_memory_bytes: int | None, kv_memory_fraction: float | None,
     fraction = DEFAULT_KV_MEMORY_FRACTION if kv_memory_fraction is None else kv_memory_fraction
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"kv_memory_fraction must be in (0, 1], got {fraction!r}")
-    free = available_memory_bytes(device)
-    return int(free * fraction), f"kv_memory_fraction={fraction} of {free} free bytes on {device}"
+    free, said = _free_for_kv(device, reserved_bytes)
+    return int(free * fraction), f"kv_memory_fraction={fraction} of {said}"
 
 
-def _refuse_oversize(pool: KVPoolSize, per_block: int, device: torch.device | str) -> None:
+def _refuse_oversize(pool: KVPoolSize, per_block: int, device: torch.device | str,
+                     reserved_bytes: int = 0) -> None:
     """A pool that cannot fit would fail late (an out-of-memory kill on CPU, mid-allocation on
     CUDA); say at once what does fit instead."""
     need = pool.num_blocks * per_block
-    available = available_memory_bytes(device)
+    available, said = _free_for_kv(device, reserved_bytes)
     if need <= available:
         return
     fits = available // per_block
     raise ValueError(f"the KV pool ({pool.source}: {pool.num_blocks} blocks, {need} bytes) is larger than "
-                     f"the {available} bytes available on {device}; the largest pool that fits is "
+                     f"{said}; the largest pool that fits is "
                      f"{fits} blocks ({fits * per_block} bytes): lower num_blocks / kv_memory")
 
 

@@ -18,6 +18,7 @@ from pagedgen.model.runtime.kv_cache import (allocate_kv_cache, allocate_kv_scal
 from pagedgen.model.runtime.kv_groups import layout_for
 from pagedgen.model.runtime.timed_kernels import TimedKernels
 from pagedgen.model.runtime import kv_block_bytes
+from pagedgen.model.runtime.weight_bytes import weight_bytes
 from pagedgen.model.loading.loader import LoadedModel
 
 __all__ = ["ModelRunner", "ScheduledChunk"]
@@ -55,13 +56,17 @@ class ModelRunner:
         # Every layer keeping every token: the counterfactual the memory report shows.
         self.full_attention_bytes_per_token = self.config.kv_bytes_per_token(
             self.dtype, self.kv_cache_dtype, block_size)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+        # Weights first: the copies our kernels read are then resident when free memory is
+        # read, and what stays mapped from a GGUF file (resident only once the first steps
+        # touch it) is set aside.
+        self.model.pack_weights(batch_invariant=self.batch_invariant)
         self.num_blocks = size_kv_pool(
             bytes_per_token=self.kv_bytes_per_token, block_size=block_size,
             device=self.device, num_blocks=config.num_blocks, kv_memory_bytes=config.kv_memory,
-            kv_memory_fraction=kv_memory_fraction).num_blocks
-        if self.device.type == "cpu":
-            keep_freed_memory()
-        self.model.pack_weights(batch_invariant=self.batch_invariant)
+            kv_memory_fraction=kv_memory_fraction,
+            reserved_bytes=self._mapped_weight_bytes()).num_blocks
         self.kv_cache = allocate_kv_cache(group_size, self.num_blocks, block_size,
                                           self.config.num_kv_heads, self.config.head_dim,
                                           kv_storage_dtype(self.dtype, self.kv_cache_dtype),
@@ -70,6 +75,10 @@ class ModelRunner:
         if kv_format(self.kv_cache_dtype) is not None:
             self.kv_scales = allocate_kv_scales(group_size, self.num_blocks,
                                                 self.config.num_kv_heads, self.device)
+
+    def _mapped_weight_bytes(self) -> int:
+        """GGUF blocks the packed kernels read from the mapped file (host memory only)."""
+        return weight_bytes(self.model).gguf_block_bytes if self.device.type == "cpu" else 0
 
     def set_phase_hook(self, hook: Any) -> None:
         """Time the attention kernels inside `hook.phase("attention")`; None: call them directly."""
