@@ -118,24 +118,37 @@ def agreement(base, other) -> dict:
             "logprob_mean_abs_diff": sum(diffs) / max(len(diffs), 1)}
 
 
-@torch.inference_mode()
 def perplexity(runner, token_ids: list[int], chunk: int = 256) -> float:
     """exp(mean NLL) of token_ids[1:], computed chunk by chunk through the paged pool."""
+    nll, top1 = score_tokens(runner, token_ids, chunk)
+    return math.exp(nll / len(top1))
+
+
+@torch.inference_mode()
+def score_tokens(runner, token_ids: list[int], chunk: int = 256) -> tuple[float, list[int]]:
+    """The summed NLL of token_ids[1:] and the model's top-1 token at each of those positions
+    (teacher-forced), chunk by chunk through the paged pool from position 0."""
     from pagedgen.model.runtime.batch import ScheduledChunk, build_flat_batch
 
     block_size = runner.block_size
-    table = list(range(-(-len(token_ids) // block_size)))
-    nll, count = 0.0, 0
+    blocks = -(-len(token_ids) // block_size)
+    table = list(range(blocks))
+    groups = len(runner.group_windows)  # a hybrid pool: each layer group its own pages
+    nll, top1 = 0.0, []
     for start in range(0, len(token_ids) - 1, chunk):
         end = min(start + chunk, len(token_ids) - 1)
-        piece = ScheduledChunk(token_ids[start:end], start, table[:-(-end // block_size)], True)
+        used = -(-end // block_size)
+        group_tables = None if groups == 1 else [
+            [g * blocks + b for b in table[:used]] for g in range(groups)]
+        piece = ScheduledChunk(token_ids[start:end], start, table[:used], True,
+                               group_tables=group_tables)
         flat = build_flat_batch([piece], block_size)
         hidden = runner.model(flat.input_ids, runner._step_metadata(flat), runner.kv_cache)
-        logprobs = torch.log_softmax(runner.model.compute_logits(hidden), dim=-1)
+        logprobs = torch.log_softmax(runner.model.compute_logits(hidden).float(), dim=-1)
         targets = torch.tensor(token_ids[start + 1:end + 1])
         nll -= float(logprobs.gather(1, targets[:, None]).sum())
-        count += end - start
-    return math.exp(nll / count)
+        top1 += logprobs.argmax(dim=-1).tolist()
+    return nll, top1
 
 
 def quality(args) -> dict:
