@@ -91,6 +91,43 @@ def test_gemm_matches_float64_reference(path: str, kind: T) -> None:
                                    f"{error.max():.3g} beyond the bound by {excess.max():.3g}")
 
 
+def small_rows(path: str) -> int:
+    """The most activation rows `path`'s register-decoding kernel takes (0: tile path only)."""
+    return kernels.load_path(path).library.gguf_small_rows()
+
+
+def test_sampled_row_counts_reach_both_kernels_for_every_type() -> None:
+    """Each type's sampled M covers the small-row kernel and the tile kernel on every path
+    that has both, so the reference check above runs each of them."""
+    for path in runnable_paths():
+        limit = small_rows(path)
+        assert limit > 0 or path != "avx512_vnni", "the AVX-512 library lost its small-row kernel"
+        if not limit:
+            continue
+        for kind in TYPES:
+            rows = {m for m, _, _ in cases(kind)}
+            assert min(rows) <= limit < max(rows), (path, kind.name, sorted(rows), limit)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+def test_small_rows_every_remainder(path: str, kind: T) -> None:
+    """Row counts around the small-row kernel's blocking (activation rows in fours, weight
+    rows in fours) and its limit, with N not a multiple of four."""
+    if not build.cpu_supports(path):
+        pytest.skip(f"this CPU cannot run the {path} path")
+    library = kernels.load_path(path)
+    rng = np.random.default_rng(200 + int(kind))
+    k = 512 if kind in (T.Q4_K, T.Q5_K, T.Q6_K) else 96
+    blocks = random_blocks(kind, 7, k, rng)
+    limit = small_rows(path) or 32
+    for index, m in enumerate((1, 2, 3, 4, 5, 6, 7, limit, limit + 1)):
+        x = activations(m, k, rng, torch.bfloat16 if index % 2 else torch.float32)
+        got = kernels.gemm(library, int(kind), blocks, k, x, threads=2).double().numpy()
+        excess = np.abs(got - reference(blocks, kind, x)) - bound(blocks, kind, x)
+        assert excess.max() <= 0, f"{kind.name} {path} M={m}: beyond the bound by {excess.max():.3g}"
+
+
 BREAKAGES = [(swap_nibble_halves, T.Q4_0), (swap_nibble_halves, T.Q4_1),
              (swap_nibble_halves, T.Q4_K), (swap_nibble_halves, T.Q5_0),
              (neighbour_scale, T.Q8_0), (neighbour_scale, T.Q4_1), (neighbour_scale, T.Q6_K),

@@ -23,6 +23,8 @@ from pathlib import Path
 from .. import native_cache
 
 SOURCE = Path(__file__).with_name("gguf_gemm.c")
+# Files SOURCE includes: part of the library's cache key.
+INCLUDED = (Path(__file__).with_name("gguf_small_rows.c"),)
 COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-strict-aliasing"]
 # Path name -> its own target flags; the number is the path's id for gguf_cpu_supports().
 PATH_FLAGS = {
@@ -56,7 +58,8 @@ def compiler() -> str | None:
 
 def library_name(path: str, cc: str) -> str:
     flags = " ".join(COMMON_FLAGS + PATH_FLAGS[path][1])
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), flags.encode(), cc.encode()])).hexdigest()
+    sources = [source.read_bytes() for source in (SOURCE, *INCLUDED)]
+    key = hashlib.sha256(b"\0".join([*sources, flags.encode(), cc.encode()])).hexdigest()
     return f"pagedgen-gguf-{path}-{key[:16]}.so"
 
 
@@ -71,6 +74,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, ctypes.c_int
     library.gguf_path_name.argtypes, library.gguf_path_name.restype = [], ctypes.c_char_p
+    library.gguf_small_rows.argtypes, library.gguf_small_rows.restype = [], ctypes.c_int
     return library
 
 

@@ -362,6 +362,15 @@ static int alloc_row(UnpackedRow *row, int64_t k) {
 
 static void free_row(UnpackedRow *row) { free(row->codes); free(row->scale); free(row->offset); }
 
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#include "gguf_small_rows.c"
+#else
+#define SMALL_ROWS 0  /* the AVX2 and portable libraries run the tile path for every M */
+#endif
+
+/* The most activation rows the register-decoding path takes (0: this library has none). */
+int gguf_small_rows(void) { return SMALL_ROWS; }
+
 /* y[m, n] (float32, row stride y_stride) = sum_k x[m, k] * W[row_map[n] or n, k].
  * w: the tensor's blocks, row_bytes apart; x: float32 or bf16 (x_bf16), row stride x_stride.
  * Returns 0 done, 1 unsupported type or shape, 2 out of memory. */
@@ -369,14 +378,19 @@ int gguf_gemm(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_
               int64_t n_rows, int64_t k, const void *x, int x_bf16, int64_t x_stride,
               int64_t m_rows, float *y, int64_t y_stride, int threads) {
     if (!check_shape(type, k)) return 1;
+    if (threads < 1) threads = 1;
+    /* Small products run on the calling thread: a team's fork and join cost more there. */
+    if (m_rows * n_rows * k < SMALL_PRODUCT) threads = 1;
+#if SMALL_ROWS > 0
+    if (m_rows <= SMALL_ROWS)
+        return gemm_small_rows(type, w, row_bytes, row_map, n_rows, k, x, x_bf16, x_stride,
+                               m_rows, y, y_stride, threads);
+#endif
     int8_t *q = malloc((size_t)(2 * m_rows * k));
     float *scales = malloc(sizeof(float) * (size_t)(m_rows * (k / 32)));
     float *sums = malloc(sizeof(float) * (size_t)(m_rows * (k / 16)));
     int status = (q && scales && sums) ? 0 : 2;
     int signed_codes = type == T_Q8_0;
-    if (threads < 1) threads = 1;
-    /* Small products run on the calling thread: a team's fork and join cost more there. */
-    if (m_rows * n_rows * k < SMALL_PRODUCT) threads = 1;
     if (status == 0) {
 #pragma omp parallel num_threads(threads)
         {  /* one region: quantize x, then (after the implicit barrier) the tiles */
