@@ -24,7 +24,7 @@ from .. import native_cache
 
 SOURCE = Path(__file__).with_name("gguf_gemm.c")
 # Files SOURCE includes: part of the library's cache key.
-INCLUDED = (Path(__file__).with_name("gguf_small_rows.c"),)
+INCLUDED = (Path(__file__).with_name("gguf_avx512.c"),)
 COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-strict-aliasing"]
 # Path name -> its own target flags; the number is the path's id for gguf_cpu_supports().
 PATH_FLAGS = {
@@ -74,7 +74,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         function = getattr(library, name)
         function.argtypes, function.restype = argtypes, ctypes.c_int
     library.gguf_path_name.argtypes, library.gguf_path_name.restype = [], ctypes.c_char_p
-    library.gguf_small_rows.argtypes, library.gguf_small_rows.restype = [], ctypes.c_int
+    library.gguf_decodes_in_registers.argtypes = []
+    library.gguf_decodes_in_registers.restype = ctypes.c_int
     return library
 
 

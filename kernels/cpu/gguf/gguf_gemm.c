@@ -1,10 +1,12 @@
 /* y = x @ W^T with W kept in GGUF's packed blocks, and row look-ups (dequantize) of W.
  *
- * One source, compiled three times by build.py with different target flags: the dot product
- * below picks AVX-512 VNNI, AVX2 or plain C by what the compiler was told it may use, so each
- * library is exactly one path and the AVX2 and portable ones can be tested on any x86 CPU.
+ * One source, compiled three times by build.py with different target flags: the GEMM picks
+ * AVX-512, AVX2 or plain C by what the compiler was told it may use, so each library is
+ * exactly one path and the AVX2 and portable ones can be tested on any x86 CPU. The AVX-512
+ * library decodes weight blocks in registers inside the dot product (gguf_avx512.c, included
+ * below); the AVX2 and portable ones unpack tiles, as follows.
  *
- * How a product is formed (the same for every weight type):
+ * How the tile path forms a product (the same for every weight type):
  *  - activations: each row of x is quantized in blocks of 32 to int8 with one float scale
  *    d_a = amax/127 per block, and the float sums d_a * sum(q) of each half-block of 16 are
  *    kept (they carry the weights' offsets and minimums, as llama.cpp's Q8_1 sums do);
@@ -27,12 +29,16 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define GGUF_PATH "avx512_vnni"
+#define IN_REGISTERS 1  /* gguf_avx512.c: weight blocks decoded in registers */
 #elif defined(__AVX2__)
 #define GGUF_PATH "avx2"
 #else
 #define GGUF_PATH "portable"
+#endif
+#if !defined(IN_REGISTERS)
+#define IN_REGISTERS 0  /* the AVX2 and portable libraries unpack tiles of weight rows */
 #endif
 
 enum {  /* ggml's type numbers, as stored in the file */
@@ -80,12 +86,14 @@ static float half_to_float(const uint8_t *p) {
 }
 #endif
 
+#if !IN_REGISTERS
 static float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
     float out;
     memcpy(&out, &bits, 4);
     return out;
 }
+#endif
 
 static uint16_t float_to_bf16(float value) {  /* round to nearest even, as torch does */
     uint32_t bits;
@@ -238,6 +246,8 @@ static void unpack_row(int type, const uint8_t *w, int64_t k, UnpackedRow *row) 
     }
 }
 
+#if !IN_REGISTERS  /* the tile path: AVX2 and portable libraries */
+
 /* ---- activations: int8 per block of 32 ----------------------------------------------------- */
 
 static float load_x(const void *x, int bf16, int64_t index) {
@@ -286,11 +296,8 @@ static inline __m256i dot32_epi32(__m256i codes, __m256i q, int signed_codes) {
         q = _mm256_sign_epi8(q, codes);
         codes = _mm256_abs_epi8(codes);
     }
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, q);
-#else  /* codes <= 128 and |q| <= 127: the pair sums of maddubs cannot saturate */
+    /* codes <= 128 and |q| <= 127: the pair sums of maddubs cannot saturate */
     return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q), _mm256_set1_epi16(1));
-#endif
 }
 
 static float dot_row(const UnpackedRow *w, const int8_t *q, const float *scales,
@@ -342,6 +349,8 @@ static float dot_row(const UnpackedRow *w, const int8_t *q, const float *scales,
 }
 #endif
 
+#endif  /* !IN_REGISTERS */
+
 /* ---- entry points --------------------------------------------------------------------------- */
 
 static int check_shape(int type, int64_t k) {
@@ -362,14 +371,12 @@ static int alloc_row(UnpackedRow *row, int64_t k) {
 
 static void free_row(UnpackedRow *row) { free(row->codes); free(row->scale); free(row->offset); }
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#include "gguf_small_rows.c"
-#else
-#define SMALL_ROWS 0  /* the AVX2 and portable libraries run the tile path for every M */
+#if IN_REGISTERS
+#include "gguf_avx512.c"
 #endif
 
-/* The most activation rows the register-decoding path takes (0: this library has none). */
-int gguf_small_rows(void) { return SMALL_ROWS; }
+/* 1 when this library's GEMM decodes weight blocks in registers, 0 when it unpacks tiles. */
+int gguf_decodes_in_registers(void) { return IN_REGISTERS; }
 
 /* y[m, n] (float32, row stride y_stride) = sum_k x[m, k] * W[row_map[n] or n, k].
  * w: the tensor's blocks, row_bytes apart; x: float32 or bf16 (x_bf16), row stride x_stride.
@@ -381,11 +388,10 @@ int gguf_gemm(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_
     if (threads < 1) threads = 1;
     /* Small products run on the calling thread: a team's fork and join cost more there. */
     if (m_rows * n_rows * k < SMALL_PRODUCT) threads = 1;
-#if SMALL_ROWS > 0
-    if (m_rows <= SMALL_ROWS)
-        return gemm_small_rows(type, w, row_bytes, row_map, n_rows, k, x, x_bf16, x_stride,
-                               m_rows, y, y_stride, threads);
-#endif
+#if IN_REGISTERS
+    return gemm_in_registers(type, w, row_bytes, row_map, n_rows, k, x, x_bf16, x_stride, m_rows,
+                             y, y_stride, threads);
+#else
     int8_t *q = malloc((size_t)(2 * m_rows * k));
     float *scales = malloc(sizeof(float) * (size_t)(m_rows * (k / 32)));
     float *sums = malloc(sizeof(float) * (size_t)(m_rows * (k / 16)));
@@ -422,6 +428,7 @@ int gguf_gemm(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_
     }
     free(q); free(scales); free(sums);
     return status;
+#endif
 }
 
 /* One unpacked row as values: scale * code + offset (the offset is per unit of activation in

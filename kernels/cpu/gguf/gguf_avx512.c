@@ -1,33 +1,37 @@
-/* Few activation rows (decode): weight blocks decoded in registers inside the dot product.
+/* gguf_gemm of the AVX-512 library: weight blocks decoded in registers inside the dot product.
  *
- * Included by gguf_gemm.c in the AVX-512 library only (it needs AVX512BW). The tile path
- * unpacks weights to a byte buffer once per call so that many activation rows share the
- * work; with one to a few rows that round trip, not the arithmetic, is the cost. Here:
+ * Included by gguf_gemm.c in the AVX-512 library only (it needs AVX512BW); the AVX2 and
+ * portable libraries unpack a tile of weight rows to a buffer instead. With few activation
+ * rows (decode) that buffer round trip, not the arithmetic, was the cost; decoding in
+ * registers was also faster at every row count measured, so this library has no tile path
+ * (and a row's result never depends on how many rows share its call: batch invariance).
  *
- *  - activations: the same two codes per value as quantize_row (q1 = round(x / d),
- *    q2 = the remainder at d / RESIDUAL), held as ONE int16 per value, RESIDUAL q1 + q2
+ *  - activations: the same two codes per value as the tile path (q1 = round(x / d), q2 =
+ *    the remainder at d / RESIDUAL), held as ONE int16 per value, RESIDUAL q1 + q2
  *    (|.| <= 254 * 127 + 127 fits). An int16 x int16 multiply-add (vpmaddwd) then takes a
  *    whole 32-block in one 512-bit instruction, exactly as the two int8 products would, and
  *    signed weights need no sign transfer;
  *  - weights: each 32-block becomes 32 signed int16 in a register: Q4_0's code - 8, Q5_0's
  *    code - 16 and Q6_K's (code - 32) times its int8 scale, so those types (and Q8_0) have
- *    no offset term at all; Q4_1/Q5_1/Q4_K/Q5_K keep their min as an offset per block;
+ *    no offset term; Q4_1/Q5_1/Q4_K/Q5_K keep their min, times the block's activation sum;
  *  - per (weight row, activation row, block): one vpmaddwd, one int -> float conversion and
- *    one FMA by the block's float factor (weight scale x activation step, computed for a
- *    whole row at a time beforehand, so the inner loop does no scalar work);
+ *    one FMA by the block's factor (weight scale x activation step). The 32-value types read
+ *    their fp16 d (and m) in the loop; the K-quants' 6-bit scales and mins are decoded per
+ *    super-block into factors and one offset dot per row beforehand;
  *  - ROW_GROUP weight rows by ROW_BATCH activation rows per pass: a decoded block serves
- *    ROW_BATCH activation rows, a loaded activation block serves ROW_GROUP weight rows;
- *  - offsets: per (weight row, activation row) one float dot over the K/32 block sums.
- * The result equals the tile path's up to float rounding (the same integers are summed).
+ *    ROW_BATCH activation rows, a loaded activation block serves ROW_GROUP weight rows.
  */
 
-#define SMALL_ROWS 32  /* gguf_gemm takes this path up to this many activation rows */
 #define ROW_GROUP 4    /* weight rows per pass */
 #define ROW_BATCH 4    /* activation rows per pass */
 /* Groups ahead whose weight rows are prefetched: a group's rows are short streams (a few
  * hundred bytes each) that the hardware prefetcher picks up too late when weights come from
  * memory; two groups ahead covers the memory latency at the rate a group is consumed. */
 #define PREFETCH_GROUPS 2
+/* Activation bytes per chunk of rows that every weight group runs through before the next
+ * chunk: they stay in L2 while the weights stream past (many rows: prefill, batch-invariant
+ * mode). */
+#define CHUNK_BYTES (256 << 10)
 
 typedef struct {
     int16_t *value;  /* M x K: RESIDUAL q1 + q2 */
@@ -327,11 +331,23 @@ static void small_group(int type, const uint8_t *w, int64_t row_bytes, const int
     }
 }
 
-/* gguf_gemm for m_rows <= SMALL_ROWS; the same contract. */
-static int gemm_small_rows(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
-                           int64_t n_rows, int64_t k, const void *x, int x_bf16, int64_t x_stride,
-                           int64_t m_rows, float *y, int64_t y_stride, int threads) {
-    int64_t blocks = k / 32;
+static int64_t chunk_rows(int64_t k) {
+    int64_t rows = CHUNK_BYTES / (2 * k) / ROW_BATCH * ROW_BATCH;
+    return rows > ROW_BATCH ? rows : ROW_BATCH;
+}
+
+/* Rows m0.. of the quantized activations. */
+static WideRows rows_from(const WideRows *a, int64_t m0, int64_t k) {
+    WideRows view = {a->value + m0 * k, a->step + m0 * (k / 32), a->sum + m0 * (k / 32)};
+    return view;
+}
+
+/* gguf_gemm's contract (gguf_gemm.c). */
+static int gemm_in_registers(int type, const uint8_t *w, int64_t row_bytes,
+                             const int64_t *row_map, int64_t n_rows, int64_t k, const void *x,
+                             int x_bf16, int64_t x_stride, int64_t m_rows, float *y,
+                             int64_t y_stride, int threads) {
+    int64_t blocks = k / 32, chunk = chunk_rows(k);
     WideRows a;
     a.value = malloc(sizeof(int16_t) * (size_t)(m_rows * k));
     a.step = malloc(sizeof(float) * (size_t)(m_rows * blocks));
@@ -350,10 +366,14 @@ static int gemm_small_rows(int type, const uint8_t *w, int64_t row_bytes, const 
 #pragma omp atomic write
                 status = 2;
             }
+            for (int64_t m0 = 0; m0 < m_rows; m0 += chunk) {
+                int64_t rows = m_rows - m0 < chunk ? m_rows - m0 : chunk;
+                WideRows part = rows_from(&a, m0, k);
 #pragma omp for schedule(static)
-            for (int64_t first = 0; first < n_rows; first += ROW_GROUP)
-                if (ok) small_group(type, w, row_bytes, row_map, n_rows, first, k, &a, m_rows, y,
-                                    y_stride, factor);
+                for (int64_t first = 0; first < n_rows; first += ROW_GROUP)
+                    if (ok) small_group(type, w, row_bytes, row_map, n_rows, first, k, &part, rows,
+                                        y + m0 * y_stride, y_stride, factor);
+            }
             free(factor);
         }
     }
