@@ -132,15 +132,17 @@ static inline __m512i decode_block(int type, const uint8_t *b, int index) {
         __m512i high = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
             (const __m256i *)(b + 128 + 32 * half)));
         low = quarter < 2 ? _mm512_and_si512(low, _mm512_set1_epi16(15)) : _mm512_srli_epi16(low, 4);
-        high = _mm512_and_si512(_mm512_srl_epi16(_mm512_slli_epi16(high, 4),
-                                                 _mm_cvtsi32_si128(2 * quarter)),
-                                _mm512_set1_epi16(0x30));
+        /* bits 2c, 2c+1 of qh to bits 4, 5 (index is a constant once the caller is unrolled) */
+        high = quarter == 0 ? _mm512_slli_epi16(high, 4) : quarter == 1 ? _mm512_slli_epi16(high, 2)
+             : quarter == 2 ? high : _mm512_srli_epi16(high, 2);
+        high = _mm512_and_si512(high, _mm512_set1_epi16(0x30));
         __m512i codes = _mm512_sub_epi16(_mm512_or_si512(low, high), _mm512_set1_epi16(32));
         /* the int8 scales of its two 16-value halves: |(code - 32) * scale| <= 4096 */
-        const int8_t *scales = (const int8_t *)(b + 192) + 2 * index;
-        __m512i scale = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(scales[0]),
-                                                _mm512_set1_epi16(scales[1]));
-        return _mm512_mullo_epi16(codes, scale);
+        __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(
+            _mm_loadu_si128((const __m128i *)(b + 192))));
+        __m512i pick = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16((short)(2 * index)),
+                                               _mm512_set1_epi16((short)(2 * index + 1)));
+        return _mm512_mullo_epi16(codes, _mm512_permutexvar_epi16(pick, scales));
     }
     default: return _mm512_setzero_si512();
     }
@@ -179,6 +181,20 @@ static inline void add_factors(RowFactors *f, int64_t b, __mmask16 lanes, __m512
     }
 }
 
+/* Q4_K/Q5_K: the 8 six-bit scales and 8 six-bit mins packed in 12 bytes, as 16 floats
+ * [scales, mins]: ggml's get_scale_min_k4 for all 8 sub-blocks at once, on 32-bit words. */
+static inline __m512 k4_scales_mins(const uint8_t *packed) {
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    uint32_t u[4];
+    memcpy(u, packed, 12);
+    u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4);  /* mins 4..7 */
+    uint32_t mins = u[1] & low6;                                  /* mins 0..3 */
+    u[1] = (u[2] & low4) | (((u[0] >> 6) & top2) << 4);          /* scales 4..7 */
+    u[2] = mins;
+    u[0] &= low6;                                                 /* scales 0..3 */
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)u)));
+}
+
 /* K-quants: per super-block, its 8 sub-block scales (d x 6-bit scale; Q6_K: d, its int8
  * scales are in the codes) and offsets (-dmin x 6-bit min). */
 static void k_block_factors(int type, const uint8_t *w, RowFactors *f,
@@ -186,21 +202,16 @@ static void k_block_factors(int type, const uint8_t *w, RowFactors *f,
     int size = block_bytes(type), with_offset = has_offset(type);
     for (int64_t super = 0; super < f->blocks / 8; super++) {
         const uint8_t *b = w + super * size;
-        float scale[8], offset[8] = {0};
+        __m512 scale, offset = _mm512_setzero_ps();
         if (type == T_Q6_K) {
-            float d = half_to_float(b + 208);
-            for (int j = 0; j < 8; j++) scale[j] = d;
-        } else {
-            float d = half_to_float(b), dmin = half_to_float(b + 2);
-            for (int j = 0; j < 8; j++) {
-                int sc, min;
-                scale_min_k4(j, b + 4, &sc, &min);
-                scale[j] = d * (float)sc;
-                offset[j] = -dmin * (float)min;
-            }
+            scale = _mm512_set1_ps(half_to_float(b + 208));
+        } else {  /* lanes 0-7 scales x d, lanes 8-15 mins x -dmin */
+            __m512 both = _mm512_mul_ps(k4_scales_mins(b + 4), _mm512_insertf32x8(
+                _mm512_set1_ps(half_to_float(b)), _mm256_set1_ps(-half_to_float(b + 2)), 1));
+            scale = both;
+            offset = _mm512_shuffle_f32x4(both, both, 0xEE);
         }
-        add_factors(f, 8 * super, 0xFF, _mm512_castps256_ps512(_mm256_loadu_ps(scale)),
-                    _mm512_castps256_ps512(_mm256_loadu_ps(offset)), offset_acc, with_offset);
+        add_factors(f, 8 * super, 0xFF, scale, offset, offset_acc, with_offset);
     }
 }
 
