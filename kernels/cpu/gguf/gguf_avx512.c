@@ -310,7 +310,7 @@ static void dispatch_pass(int type, int batch, const Pass *p, float out[ROW_GROU
 /* Output columns first..first+ROW_GROUP-1 (fewer at the end: the last row stands in for the
  * missing ones and its extra results are dropped) for every activation row. factor: scratch
  * of ROW_GROUP x ROW_BATCH x K/32 floats. */
-static void small_group(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
+static void column_group(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
                         int64_t n_rows, int64_t first, int64_t k, const WideRows *a,
                         int64_t m_rows, float *y, int64_t y_stride, float *factor) {
     int64_t blocks = k / 32;
@@ -382,7 +382,7 @@ static int gemm_in_registers(int type, const uint8_t *w, int64_t row_bytes,
                 WideRows part = rows_from(&a, m0, k);
 #pragma omp for schedule(static)
                 for (int64_t first = 0; first < n_rows; first += ROW_GROUP)
-                    if (ok) small_group(type, w, row_bytes, row_map, n_rows, first, k, &part, rows,
+                    if (ok) column_group(type, w, row_bytes, row_map, n_rows, first, k, &part, rows,
                                         y + m0 * y_stride, y_stride, factor);
             }
             free(factor);
