@@ -317,3 +317,17 @@ def test_qwen3_qk_norm_is_not_fused():
     loaded = load_model(str(tiny_model_dir("qwen3")), dtype=torch.bfloat16, device="cpu")
     ModelRunner(loaded, EngineConfig(block_size=BLOCK_SIZE, num_blocks=8))
     assert loaded.model.fused_decode is None
+
+
+def test_the_memory_report_counts_onednn_packed_weights(monkeypatch):
+    """CPUs without our GEMM kernels keep projections in oneDNN's opaque packing, which has no
+    storage to ask for its size: the weights report counts its elements instead of failing."""
+    from pagedgen.model.runtime.weight_bytes import weight_bytes
+
+    monkeypatch.setenv("PAGEDGEN_NATIVE_GEMM", "0")
+    loaded = load_model(str(tiny_model_dir("llama")), dtype=torch.bfloat16, device="cpu")
+    ModelRunner(loaded, EngineConfig(block_size=BLOCK_SIZE, num_blocks=8))
+    held = weight_bytes(loaded.model)
+    parameters = sum(p.numel() for p in loaded.model.parameters())
+    assert held.plain_bytes >= 2 * parameters
+    assert held.repacked_bytes > 0 or loaded.model.layers[0].attention.qkv_packed is None

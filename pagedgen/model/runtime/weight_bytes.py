@@ -39,7 +39,7 @@ def weight_bytes(model: torch.nn.Module) -> WeightBytes:
     repacked: dict[int, int] = {}
     for packed in _packed_weights(model):
         data = getattr(getattr(packed, "inner", packed), "data", None)
-        if isinstance(data, torch.Tensor) and data.untyped_storage().data_ptr() not in storages:
+        if isinstance(data, torch.Tensor) and _storage_key(data) not in storages:
             _add_storage(repacked, data)
     gguf = model.gguf_packed.stored_bytes if getattr(model, "gguf_packed", None) else 0
     return WeightBytes(plain, sum(repacked.values()), gguf)
@@ -48,8 +48,15 @@ def weight_bytes(model: torch.nn.Module) -> WeightBytes:
 def _add_storage(seen: dict[int, int], tensor: torch.Tensor) -> None:
     if tensor.device.type == "meta":
         return
+    if tensor.is_mkldnn:  # oneDNN's packing: an opaque tensor, its own bytes, no storage
+        seen[_storage_key(tensor)] = tensor.numel() * tensor.element_size()
+        return
     storage = tensor.untyped_storage()
     seen[storage.data_ptr()] = storage.nbytes()
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return id(tensor) if tensor.is_mkldnn else tensor.untyped_storage().data_ptr()
 
 
 def _packed_weights(model: Any) -> list[Any]:
