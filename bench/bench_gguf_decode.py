@@ -16,15 +16,15 @@ system info.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-LLAMA_CHILD = "--llama-child"
+sys.path.insert(0, str(ROOT / "peers"))
+
+from llama_cpp_peer import CHILD_FLAG, read_request, reply, run_child  # noqa: E402
 PROMPT_TOKENS = 64
 
 
@@ -47,14 +47,8 @@ def pagedgen_rate(path: Path, prompt: list[int], weights: str, threads: int, new
 
 def llama_rate(python: str, path: Path, prompt: list[int], threads: int, new_tokens: int,
                repeats: int) -> dict:
-    request = json.dumps({"path": str(path), "prompt": prompt, "threads": threads,
-                          "new_tokens": new_tokens, "repeats": repeats})
-    done = subprocess.run([python, __file__, LLAMA_CHILD], input=request, capture_output=True,
-                          text=True, check=False)
-    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if line is None:
-        raise SystemExit(f"llama.cpp failed:\n{done.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    return run_child(python, __file__, {"path": str(path), "prompt": prompt, "threads": threads,
+                                        "new_tokens": new_tokens, "repeats": repeats})
 
 
 def llama_child() -> None:
@@ -62,7 +56,7 @@ def llama_child() -> None:
     import llama_cpp
     import numpy as np
 
-    request = json.loads(sys.stdin.read())
+    request = read_request()
     prompt, new_tokens = request["prompt"], request["new_tokens"]
     llm = llama_cpp.Llama(request["path"], n_ctx=len(prompt) + new_tokens + 8,
                           n_threads=request["threads"], n_threads_batch=request["threads"],
@@ -80,9 +74,7 @@ def llama_child() -> None:
 
     one_run()  # warm-up
     rates = [one_run() for _ in range(request["repeats"])]
-    print("RESULT " + json.dumps({"rate": statistics.median(rates), "version": llama_cpp.__version__,
-                                  "system_info": llama_cpp.llama_print_system_info().decode()}),
-          flush=True)
+    reply({"rate": statistics.median(rates)})
 
 
 def main() -> None:
@@ -93,7 +85,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-python", default=None)
     args = parser.parse_args()
-    sys.path[:0] = [str(ROOT), str(ROOT / "peers")]
+    sys.path.insert(0, str(ROOT))
     from bench_gguf_perplexity import _text, model_path
     from cpu_info import cpu_info
 
@@ -121,7 +113,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == [LLAMA_CHILD]:
+    if sys.argv[1:] == [CHILD_FLAG]:
         llama_child()
     else:
         main()

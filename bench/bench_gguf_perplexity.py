@@ -20,14 +20,14 @@ agreement of packed weights with the dequantized bfloat16 path over the same pos
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-LLAMA_CHILD = "--llama-child"
+sys.path.insert(0, str(ROOT / "peers"))
+
+from llama_cpp_peer import CHILD_FLAG, read_request, reply, run_child  # noqa: E402
 
 
 def model_path(name: str) -> Path:
@@ -65,13 +65,7 @@ def pagedgen_scores(path: Path, windows: list[list[int]], weights: str, dtype: s
 
 
 def llama_nll(python: str, path: Path, windows: list[list[int]], threads: int) -> dict:
-    request = json.dumps({"path": str(path), "windows": windows, "threads": threads})
-    done = subprocess.run([python, __file__, LLAMA_CHILD], input=request, capture_output=True,
-                          text=True, check=False)
-    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if line is None:
-        raise SystemExit(f"llama.cpp failed:\n{done.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    return run_child(python, __file__, {"path": str(path), "windows": windows, "threads": threads})
 
 
 def llama_child() -> None:
@@ -79,7 +73,7 @@ def llama_child() -> None:
     import llama_cpp
     import numpy as np
 
-    request = json.loads(sys.stdin.read())
+    request = read_request()
     windows = request["windows"]
     size = max(map(len, windows))
     llm = llama_cpp.Llama(request["path"], n_ctx=size, n_batch=size, n_ubatch=size,
@@ -94,9 +88,7 @@ def llama_child() -> None:
         targets = np.asarray(window[1:])
         total += float((log_norm - logits[np.arange(len(targets)), targets]).sum())
         count += len(targets)
-    info = llama_cpp.llama_print_system_info().decode()
-    print("RESULT " + json.dumps({"nll": total, "count": count, "system_info": info,
-                                  "version": llama_cpp.__version__}), flush=True)
+    reply({"nll": total, "count": count})
 
 
 def main() -> None:
@@ -109,7 +101,6 @@ def main() -> None:
     parser.add_argument("--llama-python", default=None,
                         help="an interpreter with llama-cpp-python (else llama.cpp is skipped)")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "peers"))
     from cpu_info import cpu_info
 
     from pagedgen.model.loading.tokenizer import load_gguf_tokenizer
@@ -157,7 +148,7 @@ def _text() -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == [LLAMA_CHILD]:
+    if sys.argv[1:] == [CHILD_FLAG]:
         llama_child()
     else:
         main()
