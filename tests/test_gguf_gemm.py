@@ -91,21 +91,21 @@ def test_gemm_matches_float64_reference(path: str, kind: T) -> None:
                                    f"{error.max():.3g} beyond the bound by {excess.max():.3g}")
 
 
-def test_the_avx512_library_decodes_in_registers() -> None:
-    """The AVX-512 library's GEMM decodes blocks in registers for every row count (and is the
-    kernel the reference check above runs there, M from 1 to 2048); AVX2 and portable
-    unpack tiles."""
+def test_the_vector_libraries_decode_in_registers() -> None:
+    """The AVX-512 and AVX2 libraries' GEMM decodes blocks in registers for every row count
+    (and is the kernel the reference check above runs there, M from 1 to 2048); portable
+    unpacks tiles."""
     for path in runnable_paths():
-        expected = int(path == "avx512_vnni")
+        expected = int(path in ("avx512_vnni", "avx2"))
         assert kernels.load_path(path).library.gguf_decodes_in_registers() == expected, path
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
 def test_row_and_column_remainders(path: str, kind: T) -> None:
-    """Row counts around the register kernel's blocking (activation rows in fours, weight rows
-    in fours, activation rows in L2-sized chunks: 128 rows at K = 1024) with N not a multiple
-    of four."""
+    """Row counts around the register kernels' blocking (activation rows in fours on AVX-512,
+    in twos on AVX2, weight rows in fours, activation rows in L2-sized chunks: 128 rows at
+    K = 1024) with N not a multiple of four."""
     if not build.cpu_supports(path):
         pytest.skip(f"this CPU cannot run the {path} path")
     library = kernels.load_path(path)

@@ -24,7 +24,8 @@ from .. import native_cache
 
 SOURCE = Path(__file__).with_name("gguf_gemm.c")
 # Files SOURCE includes: part of the library's cache key.
-INCLUDED = (Path(__file__).with_name("gguf_avx512.c"),)
+INCLUDED = tuple(Path(__file__).with_name(name)
+                 for name in ("gguf_registers.c", "gguf_avx512.c", "gguf_avx2.c"))
 COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-strict-aliasing"]
 # Path name -> its own target flags; the number is the path's id for gguf_cpu_supports().
 PATH_FLAGS = {

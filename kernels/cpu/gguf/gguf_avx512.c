@@ -1,43 +1,5 @@
-/* gguf_gemm of the AVX-512 library: weight blocks decoded in registers inside the dot product.
- *
- * Included by gguf_gemm.c in the AVX-512 library only (it needs AVX512BW); the AVX2 and
- * portable libraries unpack a tile of weight rows to a buffer instead. With few activation
- * rows (decode) that buffer round trip, not the arithmetic, was the cost; decoding in
- * registers was also faster at every row count measured, so this library has no tile path
- * (and a row's result never depends on how many rows share its call: batch invariance).
- *
- *  - activations: the same two codes per value as the tile path (q1 = round(x / d), q2 =
- *    the remainder at d / RESIDUAL), held as ONE int16 per value, RESIDUAL q1 + q2
- *    (|.| <= 254 * 127 + 127 fits). An int16 x int16 multiply-add (vpmaddwd) then takes a
- *    whole 32-block in one 512-bit instruction, exactly as the two int8 products would, and
- *    signed weights need no sign transfer;
- *  - weights: each 32-block becomes 32 signed int16 in a register: Q4_0's code - 8, Q5_0's
- *    code - 16 and Q6_K's (code - 32) times its int8 scale, so those types (and Q8_0) have
- *    no offset term; Q4_1/Q5_1/Q4_K/Q5_K keep their min, times the block's activation sum;
- *  - per (weight row, activation row, block): one vpmaddwd, one int -> float conversion and
- *    one FMA by the block's factor (weight scale x activation step). The 32-value types read
- *    their fp16 d (and m) in the loop; the K-quants' 6-bit scales and mins are decoded per
- *    super-block into factors and one offset dot per row beforehand;
- *  - ROW_GROUP weight rows by ROW_BATCH activation rows per pass: a decoded block serves
- *    ROW_BATCH activation rows, a loaded activation block serves ROW_GROUP weight rows.
- */
-
-#define ROW_GROUP 4    /* weight rows per pass */
-#define ROW_BATCH 4    /* activation rows per pass */
-/* Groups ahead whose weight rows are prefetched: a group's rows are short streams (a few
- * hundred bytes each) that the hardware prefetcher picks up too late when weights come from
- * memory; two groups ahead covers the memory latency at the rate a group is consumed. */
-#define PREFETCH_GROUPS 2
-/* Activation bytes per chunk of rows that every weight group runs through before the next
- * chunk: they stay in L2 while the weights stream past (many rows: prefill, batch-invariant
- * mode). */
-#define CHUNK_BYTES (256 << 10)
-
-typedef struct {
-    int16_t *value;  /* M x K: RESIDUAL q1 + q2 */
-    float *step;     /* M x K/32: d / RESIDUAL, the activation's unit */
-    float *sum;      /* M x K/32: step * (sum of the block's values) */
-} WideRows;
+/* The AVX-512 vector code of the register kernel (gguf_registers.c, which includes this file
+ * and describes the design): a 32-block is one 512-bit vector of int16, one vpmaddwd. */
 
 /* ---- activations ------------------------------------------------------------------------- */
 
@@ -91,12 +53,6 @@ static inline __m512i nibbles16(const uint8_t *qs) {
     return _mm512_and_si512(bytes, _mm512_set1_epi16(15));
 }
 
-static inline uint32_t load_u32(const uint8_t *p) {
-    uint32_t bits;
-    memcpy(&bits, p, 4);
-    return bits;
-}
-
 /* Value j gains 16 where bit j of the 32-bit word at qh is set. */
 static inline __m512i add_fifth_bits(__m512i codes, const uint8_t *qh) {
     return _mm512_mask_add_epi16(codes, (__mmask32)load_u32(qh), codes, _mm512_set1_epi16(16));
@@ -148,22 +104,7 @@ static inline __m512i decode_block(int type, const uint8_t *b, int index) {
     }
 }
 
-static int has_offset(int type) {
-    return type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K;
-}
-
 /* ---- per-block factors: weight scale x activation step, and the offset terms -------------- */
-
-/* What one weight row contributes besides its codes, for `batch` activation rows:
- * factor[m * blocks + b] = the row's scale of block b times row m's step, and
- * offset_dot[m] = sum over blocks of the row's offset times row m's block sum. */
-typedef struct {
-    const float *step, *sum;  /* the batch's first activation row; row stride `blocks` */
-    int batch;
-    int64_t blocks;
-    float *factor;
-    float offset_dot[ROW_BATCH];
-} RowFactors;
 
 static inline __mmask16 first_lanes(int64_t count) {
     return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
@@ -181,18 +122,11 @@ static inline void add_factors(RowFactors *f, int64_t b, __mmask16 lanes, __m512
     }
 }
 
-/* Q4_K/Q5_K: the 8 six-bit scales and 8 six-bit mins packed in 12 bytes, as 16 floats
- * [scales, mins]: ggml's get_scale_min_k4 for all 8 sub-blocks at once, on 32-bit words. */
+/* Q4_K/Q5_K: the 8 scales and 8 mins of a super-block as 16 floats [scales, mins]. */
 static inline __m512 k4_scales_mins(const uint8_t *packed) {
-    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
-    uint32_t u[4];
-    memcpy(u, packed, 12);
-    u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4);  /* mins 4..7 */
-    uint32_t mins = u[1] & low6;                                  /* mins 0..3 */
-    u[1] = (u[2] & low4) | (((u[0] >> 6) & top2) << 4);          /* scales 4..7 */
-    u[2] = mins;
-    u[0] &= low6;                                                 /* scales 0..3 */
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)u)));
+    uint8_t bytes[16];
+    k4_scales_mins_bytes(packed, bytes);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes)));
 }
 
 /* K-quants: per super-block, its 8 sub-block scales (d x 6-bit scale; Q6_K: d, its int8
@@ -224,15 +158,6 @@ static void row_factors(int type, const uint8_t *w, RowFactors *f) {
 }
 
 /* ---- the pass: ROW_GROUP weight rows x `batch` activation rows --------------------------- */
-
-typedef struct {
-    const uint8_t *rows[ROW_GROUP];
-    const uint8_t *ahead[ROW_GROUP];  /* rows PREFETCH_GROUPS groups on, read from memory now */
-    const float *factor;  /* [ROW_GROUP][batch][K/32]: weight scale x activation step */
-    const int16_t *value; /* the first activation row of the batch */
-    const float *step, *sum;  /* their steps and block sums */
-    int64_t k;
-} Pass;
 
 static inline __attribute__((always_inline)) void run_pass(int type, int batch, const Pass *p,
                                                            float out[ROW_GROUP][ROW_BATCH]) {
@@ -282,112 +207,4 @@ static inline __attribute__((always_inline)) void run_pass(int type, int batch, 
     }
     for (int r = 0; r < ROW_GROUP; r++)
         for (int m = 0; m < batch; m++) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
-}
-
-/* One specialised copy per (type, batch): the type's decode and the loop bounds are then
- * constants, and the accumulators stay in registers. */
-#define PASS_BATCHES(T)                                    \
-    switch (batch) {                                       \
-    case 1: run_pass(T, 1, p, out); return;                \
-    case 2: run_pass(T, 2, p, out); return;                \
-    case 3: run_pass(T, 3, p, out); return;                \
-    default: run_pass(T, ROW_BATCH, p, out); return;       \
-    }
-
-static void dispatch_pass(int type, int batch, const Pass *p, float out[ROW_GROUP][ROW_BATCH]) {
-    switch (type) {
-    case T_Q4_0: PASS_BATCHES(T_Q4_0)
-    case T_Q4_1: PASS_BATCHES(T_Q4_1)
-    case T_Q5_0: PASS_BATCHES(T_Q5_0)
-    case T_Q5_1: PASS_BATCHES(T_Q5_1)
-    case T_Q8_0: PASS_BATCHES(T_Q8_0)
-    case T_Q4_K: PASS_BATCHES(T_Q4_K)
-    case T_Q5_K: PASS_BATCHES(T_Q5_K)
-    case T_Q6_K: PASS_BATCHES(T_Q6_K)
-    }
-}
-
-/* Output columns first..first+ROW_GROUP-1 (fewer at the end: the last row stands in for the
- * missing ones and its extra results are dropped) for every activation row. factor: scratch
- * of ROW_GROUP x ROW_BATCH x K/32 floats. */
-static void column_group(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
-                        int64_t n_rows, int64_t first, int64_t k, const WideRows *a,
-                        int64_t m_rows, float *y, int64_t y_stride, float *factor) {
-    int64_t blocks = k / 32;
-    int rows = (int)(n_rows - first < ROW_GROUP ? n_rows - first : ROW_GROUP);
-    Pass p;
-    p.k = k;
-    p.factor = factor;
-    int64_t ahead = first + PREFETCH_GROUPS * ROW_GROUP;
-    for (int r = 0; r < ROW_GROUP; r++) {
-        p.rows[r] = weight_row(w, row_bytes, row_map, first + (r < rows ? r : rows - 1));
-        p.ahead[r] = ahead + r < n_rows ? weight_row(w, row_bytes, row_map, ahead + r) : p.rows[r];
-    }
-    for (int64_t m0 = 0; m0 < m_rows; m0 += ROW_BATCH) {
-        int batch = (int)(m_rows - m0 < ROW_BATCH ? m_rows - m0 : ROW_BATCH);
-        RowFactors f[ROW_GROUP];
-        for (int r = 0; r < ROW_GROUP; r++) {
-            f[r] = (RowFactors){a->step + m0 * blocks, a->sum + m0 * blocks, batch, blocks,
-                                factor + r * batch * blocks, {0}};
-            row_factors(type, p.rows[r], &f[r]);
-        }
-        p.value = a->value + m0 * k;
-        p.step = a->step + m0 * blocks;
-        p.sum = a->sum + m0 * blocks;
-        float out[ROW_GROUP][ROW_BATCH];
-        dispatch_pass(type, batch, &p, out);
-        for (int m = 0; m < batch; m++)
-            for (int r = 0; r < rows; r++)
-                y[(m0 + m) * y_stride + first + r] = out[r][m] + f[r].offset_dot[m];
-    }
-}
-
-static int64_t chunk_rows(int64_t k) {
-    int64_t rows = CHUNK_BYTES / (2 * k) / ROW_BATCH * ROW_BATCH;
-    return rows > ROW_BATCH ? rows : ROW_BATCH;
-}
-
-/* Rows m0.. of the quantized activations. */
-static WideRows rows_from(const WideRows *a, int64_t m0, int64_t k) {
-    WideRows view = {a->value + m0 * k, a->step + m0 * (k / 32), a->sum + m0 * (k / 32)};
-    return view;
-}
-
-/* gguf_gemm's contract (gguf_gemm.c). */
-static int gemm_in_registers(int type, const uint8_t *w, int64_t row_bytes,
-                             const int64_t *row_map, int64_t n_rows, int64_t k, const void *x,
-                             int x_bf16, int64_t x_stride, int64_t m_rows, float *y,
-                             int64_t y_stride, int threads) {
-    int64_t blocks = k / 32, chunk = chunk_rows(k);
-    WideRows a;
-    a.value = malloc(sizeof(int16_t) * (size_t)(m_rows * k));
-    a.step = malloc(sizeof(float) * (size_t)(m_rows * blocks));
-    a.sum = malloc(sizeof(float) * (size_t)(m_rows * blocks));
-    int status = (a.value && a.step && a.sum) ? 0 : 2;
-    if (status == 0) {
-#pragma omp parallel num_threads(threads)
-        {  /* one region: quantize x, then (after the implicit barrier) the column groups */
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < m_rows; m++)
-                quantize_wide_row(x, x_bf16, m * x_stride, k, a.value + m * k, a.step + m * blocks,
-                                  a.sum + m * blocks);
-            float *factor = malloc(sizeof(float) * (size_t)(ROW_GROUP * ROW_BATCH * blocks));
-            int ok = factor != NULL;
-            if (!ok) {
-#pragma omp atomic write
-                status = 2;
-            }
-            for (int64_t m0 = 0; m0 < m_rows; m0 += chunk) {
-                int64_t rows = m_rows - m0 < chunk ? m_rows - m0 : chunk;
-                WideRows part = rows_from(&a, m0, k);
-#pragma omp for schedule(static)
-                for (int64_t first = 0; first < n_rows; first += ROW_GROUP)
-                    if (ok) column_group(type, w, row_bytes, row_map, n_rows, first, k, &part, rows,
-                                        y + m0 * y_stride, y_stride, factor);
-            }
-            free(factor);
-        }
-    }
-    free(a.value); free(a.step); free(a.sum);
-    return status;
 }

@@ -3,8 +3,8 @@
  * One source, compiled three times by build.py with different target flags: the GEMM picks
  * AVX-512, AVX2 or plain C by what the compiler was told it may use, so each library is
  * exactly one path and the AVX2 and portable ones can be tested on any x86 CPU. The AVX-512
- * library decodes weight blocks in registers inside the dot product (gguf_avx512.c, included
- * below); the AVX2 and portable ones unpack tiles, as follows.
+ * and AVX2 libraries decode weight blocks in registers inside the dot product
+ * (gguf_registers.c, included below); the portable one unpacks tiles, as follows.
  *
  * How the tile path forms a product (the same for every weight type):
  *  - activations: each row of x is quantized in blocks of 32 to int8 with one float scale
@@ -34,11 +34,12 @@
 #define IN_REGISTERS 1  /* gguf_avx512.c: weight blocks decoded in registers */
 #elif defined(__AVX2__)
 #define GGUF_PATH "avx2"
+#define IN_REGISTERS 1  /* gguf_avx2.c: the same design on 256-bit vectors */
 #else
 #define GGUF_PATH "portable"
 #endif
 #if !defined(IN_REGISTERS)
-#define IN_REGISTERS 0  /* the AVX2 and portable libraries unpack tiles of weight rows */
+#define IN_REGISTERS 0  /* the portable library unpacks tiles of weight rows */
 #endif
 
 enum {  /* ggml's type numbers, as stored in the file */
@@ -246,7 +247,7 @@ static void unpack_row(int type, const uint8_t *w, int64_t k, UnpackedRow *row) 
     }
 }
 
-#if !IN_REGISTERS  /* the tile path: AVX2 and portable libraries */
+#if !IN_REGISTERS  /* the tile path: the portable library */
 
 /* ---- activations: int8 per block of 32 ----------------------------------------------------- */
 
@@ -289,45 +290,6 @@ static void quantize_row(const void *x, int bf16, int64_t base, int64_t k, int8_
 
 /* ---- the dot product of one unpacked weight row with one quantized activation row ---------- */
 
-#if defined(__AVX2__)
-static inline __m256i dot32_epi32(__m256i codes, __m256i q, int signed_codes) {
-    /* lanes 0-3 hold the first 16 products' sums, lanes 4-7 the second 16's */
-    if (signed_codes) {  /* u8 x s8 instructions: move the sign onto the activation side */
-        q = _mm256_sign_epi8(q, codes);
-        codes = _mm256_abs_epi8(codes);
-    }
-    /* codes <= 128 and |q| <= 127: the pair sums of maddubs cannot saturate */
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q), _mm256_set1_epi16(1));
-}
-
-static float dot_row(const UnpackedRow *w, const int8_t *q, const float *scales,
-                     const float *sums, int64_t k, int signed_codes) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t block = 0; block < k / 32; block++) {
-        __m256i codes = _mm256_loadu_si256((const __m256i *)(w->codes + 32 * block));
-        __m256i first = dot32_epi32(codes, _mm256_loadu_si256((const __m256i *)(q + 64 * block)),
-                                    signed_codes);
-        __m256i second = dot32_epi32(codes, _mm256_loadu_si256((const __m256i *)(q + 64 * block + 32)),
-                                     signed_codes);
-        /* RESIDUAL * first + second: |first| <= 4 * 255 * 127 per lane, far from overflow */
-        __m256i products = _mm256_add_epi32(_mm256_mullo_epi32(first, _mm256_set1_epi32(RESIDUAL)),
-                                            second);
-        __m256 halves = _mm256_set_m128(_mm_set1_ps(w->scale[2 * block + 1]),
-                                        _mm_set1_ps(w->scale[2 * block]));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products),
-                              _mm256_mul_ps(halves, _mm256_set1_ps(scales[block])), acc);
-    }
-    int64_t halves = k / 16, j = 0;
-    for (; j + 8 <= halves; j += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(w->offset + j), _mm256_loadu_ps(sums + j), acc);
-    __m128 folded = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    folded = _mm_add_ps(folded, _mm_movehl_ps(folded, folded));
-    folded = _mm_add_ss(folded, _mm_movehdup_ps(folded));
-    float total = _mm_cvtss_f32(folded);
-    for (; j < halves; j++) total += w->offset[j] * sums[j];
-    return total;
-}
-#else
 static float dot_row(const UnpackedRow *w, const int8_t *q, const float *scales,
                      const float *sums, int64_t k, int signed_codes) {
     float total = 0.0f;
@@ -347,7 +309,6 @@ static float dot_row(const UnpackedRow *w, const int8_t *q, const float *scales,
     }
     return total;
 }
-#endif
 
 #endif  /* !IN_REGISTERS */
 
@@ -372,7 +333,7 @@ static int alloc_row(UnpackedRow *row, int64_t k) {
 static void free_row(UnpackedRow *row) { free(row->codes); free(row->scale); free(row->offset); }
 
 #if IN_REGISTERS
-#include "gguf_avx512.c"
+#include "gguf_registers.c"
 #endif
 
 /* 1 when this library's GEMM decodes weight blocks in registers, 0 when it unpacks tiles. */
