@@ -103,9 +103,9 @@ def test_the_vector_libraries_decode_in_registers() -> None:
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
 def test_row_and_column_remainders(path: str, kind: T) -> None:
-    """Row counts around the register kernels' blocking (activation rows in fours on AVX-512,
-    in twos on AVX2, weight rows in fours, activation rows in L2-sized chunks: 128 rows at
-    K = 1024) with N not a multiple of four."""
+    """Row counts around the register kernels' blocking (activation rows in fours, weight rows
+    in fours, activation rows in L2-sized chunks: 128 rows at K = 1024) with N not a multiple
+    of four."""
     if not build.cpu_supports(path):
         pytest.skip(f"this CPU cannot run the {path} path")
     library = kernels.load_path(path)

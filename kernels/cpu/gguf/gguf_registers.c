@@ -26,13 +26,10 @@
  */
 
 #define ROW_GROUP 4    /* weight rows per pass */
-#if defined(__AVX512BW__)
 #define ROW_BATCH 4    /* activation rows per pass */
-#else
-/* AVX2 has 16 vector registers, not 32, and a decoded block takes two of them: 4 x 2
- * accumulators, 4 decoded blocks and an activation block about fill them. */
-#define ROW_BATCH 2
-#endif
+/* The same blocking on AVX2, although its 16 vector registers (not 32) cannot hold 16
+ * accumulators and 4 decoded blocks: the spilled accumulators stay in L1, and 4 x 2 measured
+ * slower from 8 rows on (each decoded block serves fewer products), 2 x 4 no faster. */
 /* Groups ahead whose weight rows are prefetched: a group's rows are short streams (a few
  * hundred bytes each) that the hardware prefetcher picks up too late when weights come from
  * memory; two groups ahead covers the memory latency at the rate a group is consumed. */
@@ -100,8 +97,7 @@ static inline void k4_scales_mins_bytes(const uint8_t *packed, uint8_t out[16]) 
 #endif
 
 /* One specialised copy per (type, batch): the type's decode and the loop bounds are then
- * constants, and the accumulators stay in registers. */
-#if ROW_BATCH == 4
+ * constants, and the accumulators stay in registers (most of them, on AVX2). */
 #define PASS_BATCHES(T)                                    \
     switch (batch) {                                       \
     case 1: run_pass(T, 1, p, out); return;                \
@@ -109,13 +105,6 @@ static inline void k4_scales_mins_bytes(const uint8_t *packed, uint8_t out[16]) 
     case 3: run_pass(T, 3, p, out); return;                \
     default: run_pass(T, ROW_BATCH, p, out); return;       \
     }
-#else
-#define PASS_BATCHES(T)                                    \
-    switch (batch) {                                       \
-    case 1: run_pass(T, 1, p, out); return;                \
-    default: run_pass(T, ROW_BATCH, p, out); return;       \
-    }
-#endif
 
 static void dispatch_pass(int type, int batch, const Pass *p, float out[ROW_GROUP][ROW_BATCH]) {
     switch (type) {
