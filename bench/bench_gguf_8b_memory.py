@@ -1,0 +1,172 @@
+"""An 8B-shaped Q4_K_M GGUF of random blocks, run packed: its resident weight bytes against the
+file's tensor bytes, and whether it fits in 8 GiB.
+
+    python bench/bench_gguf_8b_memory.py [--out ~/.cache/pagedgen/bench/llama-8b-q4_k_m-random.gguf]
+                                         [--threads 2] [--new-tokens 4]
+
+The file (written once, never committed): Llama-3-8B's layers (32 x 4096, FFN 14,336, GQA
+32/8, vocabulary 128,256), Q4_K everywhere but where llama.cpp's Q4_K_M gives more bits — Q6_K
+for the output matrix and for attn_v / ffn_down of the first and last eighth of the layers and
+every third layer between — with random blocks of sane scales (tests/gguf_blocks.py) and a small
+BPE tokenizer embedded (only the ids matter here). The run happens in a fresh process:
+PSS before loading, after loading, and after a generate over a prompt and a few new tokens
+(which touches every weight); resident weights = PSS after the generate minus PSS before the
+load, less the KV blocks that generate wrote (the pool is lazily zeroed: untouched pages are not
+resident); the embedding table is looked up by row, so most of it stays unread.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_OUT = Path.home() / ".cache" / "pagedgen" / "bench" / "llama-8b-q4_k_m-random.gguf"
+LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 32, 4096, 14336, 32, 8, 128256
+CHILD = "--child"
+
+
+def more_bits(layer: int, layers: int = LAYERS) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth, and every third layer between."""
+    eighth = layers // 8
+    return layer < eighth or layer >= layers - eighth or (layer - eighth) % 3 == 2
+
+
+def write_file(path: Path) -> int:
+    """Writes the file; the bytes of its tensors."""
+    sys.path[:0] = [str(ROOT.parent / "tests")]
+    from gguf import GGMLQuantizationType as T, GGUFWriter
+    from gguf_blocks import random_blocks
+    from hostile_models import _embed_tokenizer
+    from tiny_models import tiny_tokenizer
+
+    rng = np.random.default_rng(0)
+    partial = path.with_name(path.name + ".partial")  # renamed when whole: never half a file
+    writer = GGUFWriter(partial, "llama")
+    for key, value in (("block_count", LAYERS), ("context_length", 8192),
+                       ("embedding_length", HIDDEN), ("feed_forward_length", FFN),
+                       ("attention.head_count", HEADS), ("attention.head_count_kv", KV_HEADS)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_float32("llama.rope.freq_base", 500000.0)
+    _embed_tokenizer(writer, tiny_tokenizer())
+    head_dim, total = HIDDEN // HEADS, 0
+
+    def matrix(name: str, rows: int, cols: int, kind: T) -> None:
+        nonlocal total
+        blocks = random_blocks(kind, rows, cols, rng, from_bytes=True)
+        writer.add_tensor(name, blocks, raw_dtype=kind)
+        total += blocks.nbytes
+
+    def norm(name: str) -> None:
+        nonlocal total
+        writer.add_tensor(name, np.ones(HIDDEN, dtype=np.float32))
+        total += HIDDEN * 4
+
+    matrix("token_embd.weight", VOCAB, HIDDEN, T.Q4_K)
+    for layer in range(LAYERS):
+        prefix, extra = f"blk.{layer}.", T.Q6_K if more_bits(layer) else T.Q4_K
+        norm(prefix + "attn_norm.weight")
+        norm(prefix + "ffn_norm.weight")
+        matrix(prefix + "attn_q.weight", HEADS * head_dim, HIDDEN, T.Q4_K)
+        matrix(prefix + "attn_k.weight", KV_HEADS * head_dim, HIDDEN, T.Q4_K)
+        matrix(prefix + "attn_v.weight", KV_HEADS * head_dim, HIDDEN, extra)
+        matrix(prefix + "attn_output.weight", HIDDEN, HEADS * head_dim, T.Q4_K)
+        matrix(prefix + "ffn_gate.weight", FFN, HIDDEN, T.Q4_K)
+        matrix(prefix + "ffn_up.weight", FFN, HIDDEN, T.Q4_K)
+        matrix(prefix + "ffn_down.weight", HIDDEN, FFN, extra)
+    norm("output_norm.weight")
+    matrix("output.weight", VOCAB, HIDDEN, T.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.replace(path)
+    return total
+
+
+def pss_bytes() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no Pss in /proc/self/smaps_rollup")
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+
+    from pagedgen import LLM, SamplingParams
+    from pagedgen.model.runtime.weight_bytes import weight_bytes
+
+    before = pss_bytes()
+    start = time.perf_counter()
+    llm = LLM(str(args.out), weights="packed", dtype="bfloat16", threads=args.threads,
+              kv_memory=256 << 20, block_size=16)
+    loaded, load_s = pss_bytes(), time.perf_counter() - start
+    prompt = list(range(100, 132))
+    start = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+        temperature=0, max_tokens=args.new_tokens, ignore_eos=True), use_tqdm=False)
+    generate_s = time.perf_counter() - start
+    after = pss_bytes()
+    tokens = len(prompt) + args.new_tokens
+    kv_written = -(-tokens // 16) * 16 * llm.runner.kv_bytes_per_token
+    held = weight_bytes(llm.runner.model)
+    print("RESULT " + json.dumps({
+        "pss_before": before, "pss_loaded": loaded, "pss_after": after, "kv_written": kv_written,
+        "resident_weights": after - before - kv_written, "gguf_block_bytes": held.gguf_block_bytes,
+        "plain_bytes": held.plain_bytes, "load_s": load_s, "generate_s": generate_s,
+        "tokens": out[0].outputs[0].token_ids, "threads": torch.get_num_threads()}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=4)
+    parser.add_argument(CHILD, action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    sys.path.insert(0, str(ROOT / "peers"))
+    from cpu_info import cpu_info
+    print(f"{time.strftime('%Y-%m-%d %H:%M')} {cpu_info().summary()}", flush=True)
+    if not args.out.exists():
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        tensor_bytes = write_file(args.out)
+        print(f"wrote {args.out} ({args.out.stat().st_size / 1e9:.2f} GB, tensors "
+              f"{tensor_bytes / 1e9:.2f} GB) in {time.perf_counter() - start:.0f} s", flush=True)
+    command = [sys.executable, __file__, CHILD, "--out", str(args.out), "--threads",
+               str(args.threads), "--new-tokens", str(args.new_tokens)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"the run failed:\n{done.stderr[-3000:]}")
+    r = json.loads(line[len("RESULT "):])
+    stored = r["gguf_block_bytes"] + r["plain_bytes"]
+    gib = 2**30
+    print(f"{args.out.name}: file {args.out.stat().st_size / gib:.2f} GiB, tensors as held "
+          f"{stored / gib:.2f} GiB (GGUF blocks {r['gguf_block_bytes'] / gib:.2f}, plain "
+          f"{r['plain_bytes'] / gib:.3f}); PSS before load {r['pss_before'] / gib:.2f} GiB, "
+          f"after load {r['pss_loaded'] / gib:.2f}, after generate {r['pss_after'] / gib:.2f} "
+          f"(within 8 GiB: {r['pss_after'] <= 8 * gib})", flush=True)
+    # The embedding table is read by row, for the step's tokens only: the rest stays on disk.
+    embedding = VOCAB * HIDDEN // 256 * 144
+    print(f"resident weights {r['resident_weights'] / gib:.2f} GiB = "
+          f"{r['resident_weights'] / stored:.3f}x the tensors, "
+          f"{r['resident_weights'] / (stored - embedding):.3f}x those but the embedding table "
+          f"({embedding / gib:.2f} GiB, rows looked up per token) (KV written "
+          f"{r['kv_written'] / 2**20:.1f} MiB excluded); load {r['load_s']:.1f} s, generate "
+          f"({args.new_tokens} new tokens after 32) "
+          f"{r['generate_s']:.1f} s, threads {r['threads']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
