@@ -499,3 +499,26 @@ def test_the_store_identity_names_the_layer_grouping():
     layouts = [group_layout(group_layers_by_window(w))
                for w in ([16, 16, 0, 16], [16, 0, 16, 16], [16, 16, 0, 0], [32, 32, 0, 32])]
     assert len(set(layouts)) == len(layouts) and "attention=full" not in layouts
+
+
+@pytest.mark.parametrize("writer_delay", [0.0, 0.02])
+def test_an_8bit_run_does_not_read_back_its_own_blocks(tmp_path, reference, monkeypatch,
+                                                       writer_delay):
+    """8-bit blocks depend on how they were filled, so a run that read back the blocks it
+    wrote (once preemption took them from memory) would give outputs that depend on whether
+    the writer had reached them yet: the same with a writer that keeps up and one that lags."""
+    import time
+
+    from pagedgen.engine.prefix_store import store as store_module
+
+    write = store_module.BlockStore.write
+
+    def slow_write(self, key, payload):
+        time.sleep(writer_delay)
+        return write(self, key, payload)
+
+    monkeypatch.setattr(store_module.BlockStore, "write", slow_write)
+    cold_llm = make_llm(tmp_path / "store", "int8")
+    assert run(cold_llm) == reference["int8"]
+    assert cold_llm.engine.scheduler.stats.preemptions > 0
+    assert store_report(cold_llm)["hit_blocks"] == 0  # nothing of its own read back

@@ -48,12 +48,20 @@ class StoreRead:
 
 class StoreLink:
     __slots__ = ("store", "root", "block_size", "payload_size", "counters", "_loads",
-                 "_saves", "_queued", "_probe_memo")
+                 "_saves", "_queued", "_own", "_probe_memo")
 
     def __init__(self, store: BlockStore, root: bytes, num_blocks: int, block_size: int,
-                 payload_size: int | None = None) -> None:
+                 payload_size: int | None = None, read_own_blocks: bool = True) -> None:
         """num_blocks: the pool's pages (keys live with the sequences, so nothing is sized by
-        it; kept so that every caller builds a link alike)."""
+        it; kept so that every caller builds a link alike).
+
+        read_own_blocks False: blocks this run computed are never read back from the store
+        (they are computed again once they leave memory). For an 8-bit pool: a block's codes
+        depend on how it was filled (its scale grows with the tokens written into it, and the
+        codes already there are quantized again), so a stored block and the same block
+        computed again can differ, and whether the writer has reached a block yet is timing:
+        reading back the run's own blocks would make its outputs depend on the disk's speed.
+        """
         self.store = store
         self.root = root
         self.block_size = block_size
@@ -62,6 +70,7 @@ class StoreLink:
         self._loads: list[tuple[Pages, memoryview]] = []
         self._saves: list[tuple[Pages, bytes]] = []
         self._queued: set[bytes] = set()
+        self._own: set[bytes] | None = None if read_own_blocks else set()
         self._probe_memo: tuple[tuple[int, int, int, int], int] | None = None
 
     def probe(self, token_ids: abc.Sequence[int], first: int, last: int,
@@ -77,7 +86,10 @@ class StoreLink:
         end = first
         if first < last:
             keys = list(block_keys(self.root, token_ids, self.block_size, last))
-            present = lambda index: self.store.contains(keys[index])  # noqa: E731
+
+            def present(index: int) -> bool:
+                return self._usable(keys[index]) and self.store.contains(keys[index])
+
             if need_start is None:
                 end = _present_run_end(first, last, present)
             else:
@@ -96,6 +108,8 @@ class StoreLink:
         payloads: dict[int, memoryview] = {}
 
         def readable(index: int) -> bool:
+            if not self._usable(keys[index]):
+                return False
             self.counters.probe_blocks += 1
             payload = self.store.read(keys[index], self.payload_size)
             if payload is not None:
@@ -107,6 +121,9 @@ class StoreLink:
         parent = keys[found - 1] if found else self.root
         return StoreRead(first, start, found, parent, keys[start:found],
                          [payloads[i] for i in range(start, found)])
+
+    def _usable(self, key: bytes) -> bool:
+        return self._own is None or key not in self._own
 
     def chain_key(self, token_ids: abc.Sequence[int], count: int) -> bytes:
         """The key of block count-1 (the root for 0): where a sequence's chain goes on."""
@@ -134,6 +151,8 @@ class StoreLink:
             if key not in self._queued:
                 self._queued.add(key)
                 self._saves.append((block_pages, key))
+                if self._own is not None:
+                    self._own.add(key)
             parent = key
         return parent
 

@@ -86,6 +86,7 @@ class StoreTraffic:
 
 def attach_store(kv: Any, runner: Any, setup: PrefixStoreSetup) -> StoreTraffic:
     link = StoreLink(setup.store, setup.identity.root, runner.num_blocks, runner.block_size,
-                     runner.block_payload_size)
+                     runner.block_payload_size,
+                     read_own_blocks=getattr(runner, "kv_scales", None) is None)
     kv.attach_store(link)
     return StoreTraffic(setup, link, runner.block_size)
