@@ -79,7 +79,9 @@ def llama_child() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="default,gemma-270m")
+    parser.add_argument("--models", default="default,gemma-270m",
+                        help="default, gemma-270m, llama-1b-random (a Llama-3.2-1B-shaped "
+                             "Q4_K_M file of random blocks, written on first use), or .gguf paths")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)

