@@ -225,9 +225,7 @@ static inline __attribute__((always_inline)) void run_pass(int type, int batch, 
     for (int r = 0; r < ROW_GROUP; r++)
         for (int m = 0; m < batch; m++) acc[r][m] = _mm256_setzero_ps();
     for (int64_t stored = 0; stored < blocks / per; stored++) {
-        for (int r = 0; r < ROW_GROUP; r++)
-            for (int line = 0; line < size; line += 64)
-                _mm_prefetch((const char *)p->ahead[r] + stored * size + line, _MM_HINT_T0);
+        prefetch_ahead(p, stored, size);
 #pragma GCC unroll 8
         for (int j = 0; j < per; j++) {
             int64_t block = stored * per + j;

@@ -89,6 +89,16 @@ static inline void k4_scales_mins_bytes(const uint8_t *packed, uint8_t out[16]) 
     memcpy(out, u, 16);
 }
 
+/* The stored block `stored` of each row PREFETCH_GROUPS groups on: run_pass asks for it while
+ * it works on this group's, so it arrives from memory in time. Always inlined: as a call, the
+ * pass loop it sits in lost a third of its speed. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const Pass *p, int64_t stored,
+                                                                 int size) {
+    for (int r = 0; r < ROW_GROUP; r++)
+        for (int line = 0; line < size; line += 64)
+            _mm_prefetch((const char *)p->ahead[r] + stored * size + line, _MM_HINT_T0);
+}
+
 /* The vector code of this library's width: quantize_wide_row, row_factors and run_pass. */
 #if defined(__AVX512BW__)
 #include "gguf_avx512.c"
