@@ -18,6 +18,7 @@ from pagedgen.model.runtime.kv_cache import (allocate_kv_cache, allocate_kv_scal
 from pagedgen.model.runtime.kv_groups import layout_for
 from pagedgen.model.runtime.timed_kernels import TimedKernels
 from pagedgen.model.runtime import kv_block_bytes
+from pagedgen.model.runtime.weight_bytes import gguf_block_bytes
 from pagedgen.model.loading.loader import LoadedModel
 
 __all__ = ["ModelRunner", "ScheduledChunk"]
@@ -76,9 +77,8 @@ class ModelRunner:
                                                 self.config.num_kv_heads, self.device)
 
     def _mapped_weight_bytes(self) -> int:
-        """GGUF blocks the packed kernels read from the mapped file (host memory only)."""
-        packed = getattr(self.model, "gguf_packed", None)
-        return packed.stored_bytes if packed is not None and self.device.type == "cpu" else 0
+        """A mapped file's blocks count against host memory only."""
+        return gguf_block_bytes(self.model) if self.device.type == "cpu" else 0
 
     def set_phase_hook(self, hook: Any) -> None:
         """Time the attention kernels inside `hook.phase("attention")`; None: call them directly."""

@@ -41,8 +41,13 @@ def weight_bytes(model: torch.nn.Module) -> WeightBytes:
         data = getattr(getattr(packed, "inner", packed), "data", None)
         if isinstance(data, torch.Tensor) and _storage_key(data) not in storages:
             _add_storage(repacked, data)
-    gguf = model.gguf_packed.stored_bytes if getattr(model, "gguf_packed", None) else 0
-    return WeightBytes(plain, sum(repacked.values()), gguf)
+    return WeightBytes(plain, sum(repacked.values()), gguf_block_bytes(model))
+
+
+def gguf_block_bytes(model: Any) -> int:
+    """The GGUF blocks the packed kernels read from the mapped file (0 without packed weights)."""
+    packed = getattr(model, "gguf_packed", None)
+    return packed.stored_bytes if packed is not None else 0
 
 
 def _add_storage(seen: dict[int, int], tensor: torch.Tensor) -> None:
@@ -50,9 +55,8 @@ def _add_storage(seen: dict[int, int], tensor: torch.Tensor) -> None:
         return
     if tensor.is_mkldnn:  # oneDNN's packing: an opaque tensor, its own bytes, no storage
         seen[_storage_key(tensor)] = tensor.numel() * tensor.element_size()
-        return
-    storage = tensor.untyped_storage()
-    seen[storage.data_ptr()] = storage.nbytes()
+    else:
+        seen[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
