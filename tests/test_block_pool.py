@@ -177,3 +177,13 @@ def test_a_million_block_pool_is_built_quickly_and_works_at_both_ends():
     assert built < 2.0, f"building 1M blocks took {built:.2f} s"
     assert pool.allocate() == 0
     assert (pool.num_free, pool.num_used) == (999_999, 1)
+
+
+def test_a_pool_rebuilt_from_reference_counts_holds_exactly_them():
+    pool = BlockPool.holding([0, 2, 1, 0, 3])
+    pool.check_integrity()
+    assert [pool.ref_count(b) for b in range(5)] == [0, 2, 1, 0, 3]
+    assert (pool.num_used, pool.num_free, pool.num_shared, pool.num_cached_free) == (3, 2, 2, 0)
+    assert sorted([pool.allocate(), pool.allocate()]) == [0, 3]
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate()

@@ -378,3 +378,25 @@ def test_integrity_check_catches_a_corrupted_table():
     kv._seqs[0].table[1] = 3  # points at a free block
     with pytest.raises(AssertionError, match="ref count"):
         kv.check_integrity()
+
+
+# --- abort (after an error or Ctrl-C mid-step) -------------------------------------------------
+
+def test_abort_recounts_the_pool_from_the_kept_tables_even_after_a_cut_update():
+    kv = KVCacheManager(num_blocks=32, block_size=B, group_windows=(0, 32))
+    run_prompt(kv, 0, prompt(40))          # a finished tree node, kept
+    kv.fork(0, 1)                          # a branch sharing its blocks
+    kv.append_slots(1, [7] * 30)
+    run_prompt(kv, 2, prompt(20, start=500))
+    kept_tables = kv.group_block_tables(0)
+    kv._pool.decref(kv.block_table(2)[0])  # an update cut midway: a count no table agrees with
+    kv.abort(keep={0, 99})                 # (99: a node the cut step had already dropped)
+    kv.check_integrity()
+    assert kv.block_tables().keys() == {0} and kv.group_block_tables(0) == kept_tables
+    held = {b for table in kept_tables for b in table if b >= 0}
+    assert kv.snapshot().blocks_used == len(held)
+    # No hash survives: the cut step may have hashed blocks its forward never wrote.
+    assert not any(kv.is_cached(b) for b in range(kv.num_blocks))
+    assert kv.admit(3, prompt(40)) == 0
+    kv.append_slots(3, prompt(40))         # the pool hands out the blocks the abort freed
+    kv.check_integrity()

@@ -55,6 +55,19 @@ class BlockPool:
         self._num_shared = 0
         self._cache: dict[int, int] = {}  # hash value -> block carrying that hash
 
+    @classmethod
+    def holding(cls, refs: list[int], counters: KVCounters | None = None) -> BlockPool:
+        """A pool where block b has refs[b] references and no block carries a hash; the
+        unreferenced ones are queued free (plain). For recounting after a cut update."""
+        pool = cls(len(refs), counters)
+        pool._ref = list(refs)
+        pool._fresh = pool.num_blocks
+        for block, ref in enumerate(refs):
+            if ref == 0:
+                pool._link_after(pool._prev[pool._sentinel], block)
+        pool._num_shared = sum(1 for ref in refs if ref > 1)
+        return pool
+
     # --- counts (all O(1)) ---
     @property
     def num_free(self) -> int:

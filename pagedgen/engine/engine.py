@@ -213,17 +213,16 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._rejected)
 
     def abort_all(self) -> list[str]:
-        """Drops every unfinished request and frees its blocks (after an error mid-run, so that
-        the engine stays usable). Returns the aborted request ids."""
-        scheduler = self.scheduler
-        seqs = list(scheduler.running) + list(scheduler.waiting)
-        scheduler.finish(list(scheduler.running))
-        scheduler.waiting.clear()
+        """Drops every unfinished request and frees its blocks, after an error or Ctrl-C
+        mid-run, so that the engine stays usable. The cut may fall anywhere in a step, even
+        inside a KV update: the KV manager recounts itself from the kept tree nodes instead of
+        being unwound request by request. Returns the aborted request ids."""
+        seqs = self.scheduler.drop_all()
         aborted = {s.group.request_id: None for s in seqs}
         aborted.update({o.request_id: None for o in self._rejected})
         self._rejected = []
         self._roots = 0
-        self.kv.take_pending_copies()
+        self.kv.abort(keep=self.kept)
         if self.store is not None:
             self.store.drop_pending()
         return list(aborted)

@@ -283,6 +283,37 @@ class KVCacheManager:
             for index in range(len(table) - 1, seq.released[g] - 1, -1):
                 self._drop(table[index], g, self._block_fill(seq, index))
 
+    def abort(self, keep: abc.Collection[int] = ()) -> None:
+        """Drops every sequence but `keep` after an error or Ctrl-C, which may have cut a step
+        or one of this manager's own updates short, and recounts the pool from the kept tables.
+
+        Not a free() per sequence: a cut update leaves the counts (and perhaps the free queue)
+        half changed, and freeing on top of it fails or leaks. And every prefix hash goes: the
+        cut step hashed its blocks before the forward wrote them, so a hashed block may hold
+        KV that was never computed. Kept sequences (finished tree nodes) were written whole
+        and stay; they too lose their hashes, as the cut may have hashed one of their blocks'
+        copies. Aborting is rare; a cold in-memory cache is its price (a prefix store on disk
+        still serves what completed steps wrote)."""
+        kept = {seq_id: self._seqs[seq_id] for seq_id in keep if seq_id in self._seqs}
+        refs, fills = [0] * self.num_blocks, {}
+        owner = [0] * self.num_blocks
+        for seq in kept.values():
+            for g, table in enumerate(seq.tables):
+                for index in range(seq.released[g], len(table)):
+                    block = table[index]
+                    refs[block] += 1
+                    owner[block] = g
+                    fills[block] = self._block_fill(seq, index)
+        self._seqs = kept
+        self._pool = BlockPool.holding(refs, self.counters)
+        self._pending_copies = []
+        self._owner = owner
+        self._group_used = [sum(1 for b in fills if owner[b] == g) for g in range(self.num_groups)]
+        self._released_entries = [sum(seq.released[g] for seq in kept.values())
+                                  for g in range(self.num_groups)]
+        self._logical_blocks = sum(refs)
+        self._tokens_stored = sum(fills.values())
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) pairs recorded since the last call, in the order to apply."""
         copies, self._pending_copies = self._pending_copies, []

@@ -78,6 +78,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def drop_all(self) -> list[Sequence]:
+        """Empties both queues without touching the KV manager (the caller recounts it: see
+        KVCacheManager.abort); returns the dropped sequences."""
+        dropped = [*self.running, *self.waiting]
+        for seq in dropped:
+            seq.status = SeqStatus.FINISHED
+        self.running, self.waiting = [], deque()
+        return dropped
+
     def park(self, seqs: list[Sequence]) -> None:
         """Takes finished sequences off the running list but keeps their blocks (tree nodes)."""
         for seq in seqs:
