@@ -290,10 +290,10 @@ class KVCacheManager:
         Not a free() per sequence: a cut update leaves the counts (and perhaps the free queue)
         half changed, and freeing on top of it fails or leaks. And every prefix hash goes: the
         cut step hashed its blocks before the forward wrote them, so a hashed block may hold
-        KV that was never computed. Kept sequences (finished tree nodes) were written whole
-        and stay; they too lose their hashes, as the cut may have hashed one of their blocks'
-        copies. Aborting is rare; a cold in-memory cache is its price (a prefix store on disk
-        still serves what completed steps wrote)."""
+        KV that was never computed, and which ones it hashed cannot be told apart. Kept
+        sequences (finished tree nodes) were written whole and stay, with their blocks but
+        without hashes. Aborting is rare; a cold in-memory cache is its price (a prefix store
+        on disk still serves what completed steps wrote)."""
         kept = {seq_id: self._seqs[seq_id] for seq_id in keep if seq_id in self._seqs}
         refs, fills = [0] * self.num_blocks, {}
         owner = [0] * self.num_blocks
