@@ -139,12 +139,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--llama-python", default=None)
     args = parser.parse_args()
-    from bench_gguf_perplexity import model_path
-    from cpu_info import cpu_info
-
-    from pagedgen.kernels.cpu.gguf import best
-    print(f"{time.strftime('%Y-%m-%d %H:%M')} {cpu_info().summary()}\n"
-          f"pagedgen GGUF kernel path: {best().path}; bfloat16 activations", flush=True)
+    from bench_gguf_perplexity import model_path, print_banner
+    print_banner()
     llama = None
     for name in filter(None, (m.strip() for m in args.models.split(","))):
         path = model_path(name)

@@ -88,13 +88,10 @@ def main() -> None:
     parser.add_argument("--llama-python", default=None)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from bench_gguf_perplexity import _text, model_path
-    from cpu_info import cpu_info
+    from bench_gguf_perplexity import _text, model_path, print_banner
 
-    from pagedgen.kernels.cpu.gguf import best
     from pagedgen.model.loading.tokenizer import load_gguf_tokenizer
-    print(f"{time.strftime('%Y-%m-%d %H:%M')} {cpu_info().summary()}\n"
-          f"pagedgen GGUF kernel path: {best().path}; bfloat16 activations", flush=True)
+    print_banner()
     for name in filter(None, (m.strip() for m in args.models.split(","))):
         path = model_path(name)
         prompt = load_gguf_tokenizer(path)(_text(), add_special_tokens=False)["input_ids"][:PROMPT_TOKENS]

@@ -43,6 +43,17 @@ def model_path(name: str) -> Path:
     return Path(name)
 
 
+def print_banner() -> None:
+    """The head of the speed benches' output: date, CPU and pagedgen's GGUF kernel path."""
+    import time
+
+    from cpu_info import cpu_info
+
+    from pagedgen.kernels.cpu.gguf import best
+    print(f"{time.strftime('%Y-%m-%d %H:%M')} {cpu_info().summary()}\n"
+          f"pagedgen GGUF kernel path: {best().path}; bfloat16 activations", flush=True)
+
+
 def windows_of(ids: list[int], bos: int | None, window: int, count: int) -> list[list[int]]:
     body = window - (bos is not None)
     head = [] if bos is None else [bos]
