@@ -16,7 +16,6 @@ between the engines (bf16 against llama.cpp's own arithmetic: a few diverge on r
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -130,16 +129,11 @@ def agreeing(a: list[list[int]], b: list[list[int]]) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="default,gemma-270m",
-                        help="default, gemma-270m, llama-1b-random or .gguf paths "
-                             "(bench_gguf_decode.py)")
-    parser.add_argument("--threads", default="2")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--llama-python", default=None)
+    from bench_gguf_perplexity import model_path, print_banner, speed_bench_parser
+
+    parser = speed_bench_parser(__doc__, threads="2")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
     args = parser.parse_args()
-    from bench_gguf_perplexity import model_path, print_banner
     print_banner()
     llama = None
     for name in filter(None, (m.strip() for m in args.models.split(","))):

@@ -15,7 +15,6 @@ system info.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -78,17 +77,12 @@ def llama_child() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="default,gemma-270m",
-                        help="default, gemma-270m, llama-1b-random (a Llama-3.2-1B-shaped "
-                             "Q4_K_M file of random blocks, written on first use), or .gguf paths")
-    parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--llama-python", default=None)
-    args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from bench_gguf_perplexity import _text, model_path, print_banner
+    from bench_gguf_perplexity import _text, model_path, print_banner, speed_bench_parser
+
+    parser = speed_bench_parser(__doc__, threads="1,2")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
 
     from pagedgen.model.loading.tokenizer import load_gguf_tokenizer
     print_banner()

@@ -43,6 +43,19 @@ def model_path(name: str) -> Path:
     return Path(name)
 
 
+def speed_bench_parser(doc: str, threads: str) -> argparse.ArgumentParser:
+    """The options the speed benches share (bench_gguf_decode.py, bench_gguf_batch.py)."""
+    parser = argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()))
+    parser.add_argument("--models", default="default,gemma-270m",
+                        help="default, gemma-270m, llama-1b-random (a Llama-3.2-1B-shaped "
+                             "Q4_K_M file of random blocks, written on first use), or .gguf paths")
+    parser.add_argument("--threads", default=threads, help="comma-separated thread counts")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--llama-python", default=None,
+                        help="the interpreter of a llama-cpp-python venv: llama.cpp side by side")
+    return parser
+
+
 def print_banner() -> None:
     """The head of the speed benches' output: date, CPU and pagedgen's GGUF kernel path."""
     import time
