@@ -4,12 +4,14 @@ weights, per weight type and row count, and decode tok/s of the default model bo
     python bench/bench_gguf_gemm.py [--threads 1,2] [--rows 1,2,4,8,16,32,64,128,192,256]
                                     [--shape 3072x576] [--types Q8_0,Q4_1,...] [--decode]
 
-Per type and M: int8 kernel (the path dispatched on this CPU, printed), the dequantize-to-bf16
-+ dense GEMM route the model takes from DEQUANTIZE_MIN_ROWS rows on, and our bf16 GEMM on a
-pre-dequantized weight (what weights="dequantized" runs). Weight GB/s = bytes the weight takes
+Per type and M: int8 kernel (the path dispatched on this CPU, printed), the bf16 tile GEMM
+(libraries with AVX-512 BF16: bf16 activations from BF16_TILES_MIN_ROWS rows on), the
+dequantize-to-bf16 + dense GEMM route the model takes from DEQUANTIZE_MIN_ROWS rows on, and our
+bf16 GEMM on a pre-dequantized weight (what weights="dequantized" runs). Weight GB/s = bytes the weight takes
 as stored / time; rows/s = M / time. Medians of --repeats calls; with one thread the
-thread's CPU time (immune to a shared machine's descheduling), else wall time. The last column is the
-crossover: the smallest M where dequantize+GEMM beats the int8 kernel.
+thread's CPU time (immune to a shared machine's descheduling), else wall time. Per type, the
+crossovers: the smallest M where the tiles beat the int8 kernel, and where dequantize+GEMM
+beats the faster of the two.
 """
 from __future__ import annotations
 
@@ -61,20 +63,32 @@ def bench_type(name: str, n: int, k: int, rows: list[int], threads: int, repeats
     weight = ql.QuantizedWeight((part,), k, library)
     dense = ql.dequantized(weight, torch.bfloat16)
     packed_dense = pack_weight(dense)
-    crossover = None
+    crossover = tiles_from = None
+    has_tiles = gguf_kernels.has_bf16_tiles(library)
     for m in rows:
         x = torch.randn(m, k).to(torch.bfloat16)
         int8 = median_seconds(lambda: gguf_kernels.gemm(library, int(kind), blocks, k, x,
                                                         threads=threads), repeats)
+        tiles = median_seconds(lambda: gguf_kernels.gemm(library, int(kind), blocks, k, x,
+                                                         threads=threads, bf16_from_rows=1),
+                               repeats) if has_tiles else float("nan")
         deq = median_seconds(lambda: linear(x, ql.dequantized(weight, torch.bfloat16)), repeats)
         bf16 = median_seconds(lambda: linear(x, dense, packed=packed_dense), repeats)
-        if crossover is None and deq < int8:
+        packed_best = min(int8, tiles) if has_tiles else int8
+        if crossover is None and deq < packed_best:
             crossover = m
+        if tiles_from is None and tiles < int8:
+            tiles_from = m
         print(f"{name:5} M={m:4} int8 {int8 * 1e3:8.3f} ms {blocks.nbytes / int8 / 1e9:6.2f} GB/s "
-              f"{m / int8:9.0f} rows/s | dequant+GEMM {deq * 1e3:8.3f} ms | bf16 GEMM "
-              f"{bf16 * 1e3:8.3f} ms {dense.nbytes / bf16 / 1e9:6.2f} GB/s | int8/bf16 "
-              f"{bf16 / int8:5.2f}x")
-    print(f"{name:5} crossover (dequant+GEMM faster from M=): {crossover or 'none measured'}")
+              f"{m / int8:9.0f} rows/s | bf16 tiles {tiles * 1e3:8.3f} ms | dequant+GEMM "
+              f"{deq * 1e3:8.3f} ms | bf16 GEMM {bf16 * 1e3:8.3f} ms "
+              f"{dense.nbytes / bf16 / 1e9:6.2f} GB/s | best packed / bf16 "
+              f"{packed_best / bf16:5.2f}x")
+    if has_tiles:
+        print(f"{name:5} crossover (bf16 tiles faster than int8 from M=): "
+              f"{tiles_from or 'none measured'}")
+    print(f"{name:5} crossover (dequant+GEMM faster than the packed kernels from M=): "
+          f"{crossover or 'none measured'}")
 
 
 def bench_decode(threads: int, tokens: int = 32) -> None:

@@ -14,6 +14,11 @@ q2 = round((x - d_b q1) / e_b) with e_b = d_b / 254; x is taken as e_b (254 q1 +
 the second term covering float32 rounding of the remainder and of the K/16 scaled partial
 sums (the int8 dot products themselves are exact). The check is worst-case, yet the broken variants below land
 outside it, which shows the check has the power to catch them.
+
+The bf16 tile GEMM (libraries with AVX-512 BF16, bf16 activations) makes no approximation but
+bf16 rounding of the weights, which it must do exactly as torch rounds gguf's float32 values:
+against that rounded weight times the bf16 activations in float64, its only error is float32
+summation, |y - y_ref| <= (K/16 + 4) * 2^-23 * sum_j |w_j| |x_j| (tile_bound).
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ from gguf_blocks import (drop_min, neighbour_scale, random_blocks, scales_off_by
                          swap_nibble_halves)
 
 TYPES = (T.Q8_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K, T.Q4_0, T.Q5_K, T.Q5_1)
-PATHS = ("portable", "avx2", "avx512_vnni")
+PATHS = ("portable", "avx2", "avx512_vnni", "avx512_bf16")
+TILE_PATHS = ("avx512_bf16",)  # the libraries with the bf16 tile GEMM
 M_VALUES = (1, 2, 3, 8, 17, 64, 255, 2048)
 # (N, K): the default model's and Gemma 3 270M's projections, and odd ones.
 SHAPES_32 = ((576, 576), (192, 576), (3072, 576), (576, 1536), (1024, 640), (640, 2048),
@@ -68,6 +74,21 @@ def bound(blocks: np.ndarray, kind: T, x: torch.Tensor) -> np.ndarray:
     return per_value @ weights.T + (k / 16 + 4) * 2.0 ** -23 * (np.abs(x64) @ weights.T)
 
 
+def rounded_weights(blocks: np.ndarray, kind: T) -> np.ndarray:
+    """gguf's float32 values rounded to bf16 by torch, as float64."""
+    return torch.from_numpy(dequantize(blocks, kind)).to(torch.bfloat16).double().numpy()
+
+
+def tile_reference(blocks: np.ndarray, kind: T, x: torch.Tensor) -> np.ndarray:
+    return x.double().numpy() @ rounded_weights(blocks, kind).T
+
+
+def tile_bound(blocks: np.ndarray, kind: T, x: torch.Tensor) -> np.ndarray:
+    k = x.shape[1]
+    return (k / 16 + 4) * 2.0 ** -23 * (np.abs(x.double().numpy()) @
+                                        np.abs(rounded_weights(blocks, kind)).T)
+
+
 def activations(m: int, k: int, rng: np.random.Generator, dtype: torch.dtype) -> torch.Tensor:
     x = rng.standard_normal((m, k)) * rng.uniform(0.5, 4.0, (m, 1))
     x[:, rng.integers(k)] *= 20  # an outlier channel, as hidden states have
@@ -91,12 +112,49 @@ def test_gemm_matches_float64_reference(path: str, kind: T) -> None:
                                    f"{error.max():.3g} beyond the bound by {excess.max():.3g}")
 
 
+@pytest.mark.parametrize("path", TILE_PATHS)
+@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+def test_bf16_tiles_are_the_rounded_weights_product(path: str, kind: T) -> None:
+    if not build.cpu_supports(path):
+        pytest.skip(f"this CPU cannot run the {path} path")
+    library = kernels.load_path(path)
+    assert kernels.has_bf16_tiles(library)
+    rng = np.random.default_rng(200 + int(kind))
+    for index, (m, n, k) in enumerate(cases(kind, count=5)):
+        blocks = random_blocks(kind, n, k, rng, from_bytes=index % 2 == 1)
+        x = activations(m, k, rng, torch.bfloat16)
+        got = kernels.gemm(library, int(kind), blocks, k, x, threads=2,
+                           bf16_from_rows=1).double().numpy()
+        error = np.abs(got - tile_reference(blocks, kind, x))
+        excess = error - tile_bound(blocks, kind, x)
+        assert excess.max() <= 0, (f"{kind.name} tiles M={m} N={n} K={k}: error "
+                                   f"{error.max():.3g} beyond the bound by {excess.max():.3g}")
+
+
+def test_bf16_tiles_run_only_where_asked_and_for_bf16_rows() -> None:
+    """From bf16_from_rows rows on (bf16 x only) the tiles answer; below, for float32 x, and in
+    every library without them, the int8 kernel does, bit for bit the same as when not asked."""
+    rng = np.random.default_rng(11)
+    blocks = random_blocks(T.Q4_K, 40, 512, rng)
+    x = activations(6, 512, rng, torch.bfloat16)
+    for path in runnable_paths():
+        library = kernels.load_path(path)
+        int8 = kernels.gemm(library, int(T.Q4_K), blocks, 512, x)
+        below = kernels.gemm(library, int(T.Q4_K), blocks, 512, x, bf16_from_rows=7)
+        assert torch.equal(below, int8), path
+        as_float = kernels.gemm(library, int(T.Q4_K), blocks, 512, x.float(), bf16_from_rows=1)
+        assert torch.equal(as_float, kernels.gemm(library, int(T.Q4_K), blocks, 512, x.float()))
+        asked = kernels.gemm(library, int(T.Q4_K), blocks, 512, x, bf16_from_rows=6)
+        assert torch.equal(asked, int8) != kernels.has_bf16_tiles(library), path
+        assert kernels.has_bf16_tiles(library) == (path in TILE_PATHS), path
+
+
 def test_the_vector_libraries_decode_in_registers() -> None:
     """The AVX-512 and AVX2 libraries' GEMM decodes blocks in registers for every row count
     (and is the kernel the reference check above runs there, M from 1 to 2048); portable
     unpacks tiles."""
     for path in runnable_paths():
-        expected = int(path in ("avx512_vnni", "avx2"))
+        expected = int(path != "portable")
         assert kernels.load_path(path).library.gguf_decodes_in_registers() == expected, path
 
 
@@ -141,20 +199,30 @@ def test_the_check_catches_broken_unpacking(breakage, kind: T) -> None:
     broken = breakage(blocks, kind)
     assert not np.array_equal(broken, blocks)
     assert (np.abs(got - reference(broken, kind, x)) > bound(broken, kind, x)).any()
+    tiles = [path for path in runnable_paths() if path in TILE_PATHS]
+    if tiles:  # the same for the tiles' (much tighter) check
+        x = x.to(torch.bfloat16)
+        got = kernels.gemm(kernels.load_path(tiles[-1]), int(kind), blocks, k, x,
+                           bf16_from_rows=1).double().numpy()
+        assert (np.abs(got - tile_reference(blocks, kind, x)) <= tile_bound(blocks, kind, x)).all()
+        assert (np.abs(got - tile_reference(broken, kind, x)) > tile_bound(broken, kind, x)).any()
 
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
 def test_row_lookup_is_exactly_the_dequantized_rows(kind: T) -> None:
-    library = kernels.load_path(runnable_paths()[-1])
+    """Every path, bit for bit: the register libraries decode rows as their GEMMs do (and the
+    bf16 tiles rely on that rounding), portable from its unpacked tiles."""
     rng = np.random.default_rng(3)
     k = 512
     blocks = random_blocks(kind, 40, k, rng)
     rows = torch.tensor([39, 0, 5, 5, 17], dtype=torch.int64)
     expected = dequantize(blocks, kind)[rows.numpy()]
-    got = kernels.dequantize_rows(library, int(kind), blocks, k, rows)
-    np.testing.assert_array_equal(got.numpy(), expected)
-    got_bf16 = kernels.dequantize_rows(library, int(kind), blocks, k, rows, torch.bfloat16)
-    assert torch.equal(got_bf16, torch.from_numpy(expected).to(torch.bfloat16))
+    for path in runnable_paths():
+        library = kernels.load_path(path)
+        got = kernels.dequantize_rows(library, int(kind), blocks, k, rows)
+        np.testing.assert_array_equal(got.numpy(), expected, err_msg=path)
+        got_bf16 = kernels.dequantize_rows(library, int(kind), blocks, k, rows, torch.bfloat16)
+        assert torch.equal(got_bf16, torch.from_numpy(expected).to(torch.bfloat16)), path
 
 
 def test_row_map_and_strided_output() -> None:

@@ -12,6 +12,7 @@ from gguf.quants import quantize
 
 from hostile_models import _embed_tokenizer, write_llama_header
 from pagedgen import LLM, SamplingParams
+from pagedgen.kernels.cpu import gguf as gguf_kernels
 from pagedgen.settings import EngineConfig
 from pagedgen.model.layers import quantized_linear as ql
 from pagedgen.model.layers.quantized_linear import QuantizedWeight
@@ -103,7 +104,8 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch(tmp_path):
     decoder = load_model(path, dtype="bfloat16", weights="packed").model
     decoder.pack_weights(batch_invariant=True)
     weight = decoder.layers[0].mlp.gate_up_packed
-    rows = torch.randn(ql.DEQUANTIZE_MIN_ROWS + 5, weight.in_features).to(torch.bfloat16)
+    rows = torch.randn(ql.dequantize_min_rows(weight.library) + 5,
+                       weight.in_features).to(torch.bfloat16)
     many = ql.quantized_linear(rows, weight)
     for index in (0, 3, rows.shape[0] - 1):
         assert torch.equal(ql.quantized_linear(rows[index:index + 1], weight)[0], many[index])
@@ -114,11 +116,33 @@ def test_large_row_counts_dequantize_and_agree(tmp_path):
     decoder = load_model(path, dtype="bfloat16", weights="packed").model
     decoder.pack_weights()
     weight = decoder.layers[1].attention.qkv_packed
-    rows = torch.randn(ql.DEQUANTIZE_MIN_ROWS + 1, weight.in_features).to(torch.bfloat16)
+    rows = torch.randn(ql.dequantize_min_rows(weight.library) + 1,
+                       weight.in_features).to(torch.bfloat16)
     big = ql.quantized_linear(rows, weight).float()
     small = torch.cat([ql.quantized_linear(rows[i:i + 8], weight) for i in
                        range(0, rows.shape[0], 8)]).float()
     assert (big - small).abs().max() <= 0.05 * big.abs().max()
+
+
+def test_middle_row_counts_compute_the_dequantized_bf16_product(tmp_path):
+    """Where the library has bf16 tiles, bf16 rows between BF16_TILES_MIN_ROWS and the
+    dequantize crossover get the dequantized bf16 path's product (float32 summation order
+    aside), each part of a stacked projection in its own columns."""
+    path = write_quantized_gguf(tmp_path / "q.gguf")
+    decoder = load_model(path, dtype="bfloat16", weights="packed").model
+    decoder.pack_weights()
+    weight = decoder.layers[1].attention.qkv_packed
+    if not gguf_kernels.has_bf16_tiles(weight.library):
+        pytest.skip(f"the {weight.library.path} library has no bf16 tiles")
+    rows = torch.randn(ql.BF16_TILES_MIN_ROWS + 3, weight.in_features).to(torch.bfloat16)
+    got = ql.quantized_linear(rows, weight, out_dtype=torch.float32).double()
+    dense = ql.dequantized(weight, torch.bfloat16).double()
+    want = rows.double() @ dense.T
+    bound = (weight.in_features / 16 + 4) * 2.0 ** -23 * (rows.double().abs() @ dense.abs().T)
+    assert ((got - want).abs() <= bound).all()
+    below = rows[:ql.BF16_TILES_MIN_ROWS - 1]
+    int8 = ql.quantized_linear(below, weight, out_dtype=torch.float32).double()
+    assert not ((int8 - below.double() @ dense.T).abs() <= bound[:below.shape[0]]).all()
 
 
 def test_packed_generation_runs_and_weights_are_checked(tmp_path, monkeypatch):

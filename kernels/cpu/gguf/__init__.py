@@ -9,7 +9,7 @@ import torch
 from .build import GgufKernelUnavailable, GgufLibrary, best, load_path
 
 __all__ = ["BLOCK_SHAPES", "GgufKernelUnavailable", "GgufLibrary", "SUPPORTED_TYPES", "best",
-           "dequantize_rows", "gemm", "load_path"]
+           "dequantize_rows", "gemm", "has_bf16_tiles", "load_path"]
 
 # ggml type number -> (values per block, bytes per block), for the types the kernels read.
 BLOCK_SHAPES = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
@@ -39,11 +39,13 @@ def _check_blocks(tensor_type: int, blocks, k: int) -> tuple[int, int]:
 
 def gemm(library: GgufLibrary, tensor_type: int, blocks, k: int, x: torch.Tensor,
          row_map: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         threads: int | None = None) -> torch.Tensor:
+         threads: int | None = None, bf16_from_rows: int = 0) -> torch.Tensor:
     """float32 [M, N] = x @ W^T, W the packed rows (row_map[n] picks W's row for column n).
 
     x: float32 or bf16 [M, k], rows contiguous; out: a float32 [M, N] view whose rows may be
-    strided (a column slice of a wider output)."""
+    strided (a column slice of a wider output). bf16 x of at least bf16_from_rows rows (0:
+    never) runs the bf16 tile GEMM where the library has one (has_bf16_tiles): the product of
+    the dequantized bf16 weight, instead of the int8 kernel's."""
     rows, row_bytes = _check_blocks(tensor_type, blocks, k)
     n = rows if row_map is None else row_map.shape[0]
     if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.shape[1] != k \
@@ -57,9 +59,13 @@ def gemm(library: GgufLibrary, tensor_type: int, blocks, k: int, x: torch.Tensor
     status = library.library.gguf_gemm(
         tensor_type, _pointer(blocks), row_bytes, None if row_map is None else row_map.data_ptr(),
         n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), x.shape[0],
-        out.data_ptr(), out.stride(0), threads or torch.get_num_threads())
+        out.data_ptr(), out.stride(0), threads or torch.get_num_threads(), bf16_from_rows)
     _raise_for(status, "gguf_gemm")
     return out
+
+
+def has_bf16_tiles(library: GgufLibrary) -> bool:
+    return library.bf16_tiles
 
 
 def dequantize_rows(library: GgufLibrary, tensor_type: int, blocks, k: int,

@@ -25,7 +25,8 @@ from .. import native_cache
 SOURCE = Path(__file__).with_name("gguf_gemm.c")
 # Files SOURCE includes: part of the library's cache key.
 INCLUDED = tuple(Path(__file__).with_name(name)
-                 for name in ("gguf_registers.c", "gguf_avx512.c", "gguf_avx2.c"))
+                 for name in ("gguf_registers.c", "gguf_avx512.c", "gguf_avx2.c",
+                              "gguf_bf16_tiles.c"))
 COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-strict-aliasing"]
 # Path name -> its own target flags; the number is the path's id for gguf_cpu_supports().
 PATH_FLAGS = {
@@ -33,11 +34,14 @@ PATH_FLAGS = {
     "avx2": (1, ["-mavx2", "-mfma", "-mf16c"]),
     "avx512_vnni": (2, ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                         "-mavx512vnni", "-mavx512dq"]),
+    "avx512_bf16": (3, ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                        "-mavx512vnni", "-mavx512dq", "-mavx512bf16"]),
 }
-PREFERENCE = ("avx512_vnni", "avx2", "portable")
+PREFERENCE = ("avx512_bf16", "avx512_vnni", "avx2", "portable")
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
-    "gguf_gemm": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT, _I64, _I64, _PTR, _I64, _INT],
+    "gguf_gemm": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT, _I64, _I64, _PTR, _I64, _INT,
+                  _I64],
     "gguf_dequantize_rows": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT, _I64, _INT],
     "gguf_cpu_supports": [_INT],
 }
@@ -49,8 +53,9 @@ class GgufKernelUnavailable(OSError):
 
 @dataclass(frozen=True, slots=True)
 class GgufLibrary:
-    path: str  # "avx512_vnni", "avx2" or "portable"
+    path: str  # "avx512_bf16", "avx512_vnni", "avx2" or "portable"
     library: ctypes.CDLL
+    bf16_tiles: bool = False  # the library has the bf16 tile GEMM (gguf_has_bf16_tiles)
 
 
 def compiler() -> str | None:
@@ -77,6 +82,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.gguf_path_name.argtypes, library.gguf_path_name.restype = [], ctypes.c_char_p
     library.gguf_decodes_in_registers.argtypes = []
     library.gguf_decodes_in_registers.restype = ctypes.c_int
+    library.gguf_has_bf16_tiles.argtypes, library.gguf_has_bf16_tiles.restype = [], ctypes.c_int
     return library
 
 
@@ -100,7 +106,7 @@ def load_path(path: str) -> GgufLibrary:
     if library.gguf_path_name().decode() != path:
         raise GgufKernelUnavailable(f"library built for {path} reports "
                                     f"{library.gguf_path_name().decode()} (flags not honoured)")
-    return GgufLibrary(path, library)
+    return GgufLibrary(path, library, bool(library.gguf_has_bf16_tiles()))
 
 
 def cpu_supports(path: str) -> bool:

@@ -265,3 +265,43 @@ static inline __attribute__((always_inline)) void run_pass(int type, int batch, 
     for (int r = 0; r < ROW_GROUP; r++)
         for (int m = 0; m < batch; m++) out[r][m] = sum8_ps(acc[r][m]);
 }
+
+/* ---- decoded blocks -> float32 or bf16 values ---------------------------------------------- */
+
+/* 8 floats -> 8 bf16, rounded to nearest even as torch does (NaN kept a quiet NaN). */
+static inline __m128i round_to_bf16(__m256 values) {
+    __m256i bits = _mm256_castps_si256(values);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(values, values, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, quiet, nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+
+/* 16 int16 codes -> scale * code + offset at out[at..at+16) */
+static inline void store_values16(__m256i codes, __m256 scale, __m256 offset, void *out,
+                                  int out_bf16, int64_t at) {
+    __m256 low = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
+        _mm256_castsi256_si128(codes))), scale, offset);
+    __m256 high = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(
+        _mm256_extracti128_si256(codes, 1))), scale, offset);
+    if (out_bf16) {
+        uint16_t *dst = (uint16_t *)out + at;
+        _mm_storeu_si128((__m128i *)dst, round_to_bf16(low));
+        _mm_storeu_si128((__m128i *)(dst + 8), round_to_bf16(high));
+    } else {
+        _mm256_storeu_ps((float *)out + at, low);
+        _mm256_storeu_ps((float *)out + at + 8, high);
+    }
+}
+
+/* 32 int16 codes -> scale * code + offset at out[at..at+32) in float32 or bf16 (decode_row_values
+ * in gguf_registers.c says why this gives gguf's values bit for bit). */
+static inline void store_block_values(Block16x2 codes, float scale_value, float offset_value,
+                                      void *out, int out_bf16, int64_t at) {
+    const __m256 scale = _mm256_set1_ps(scale_value), offset = _mm256_set1_ps(offset_value);
+    store_values16(codes.low, scale, offset, out, out_bf16, at);
+    store_values16(codes.high, scale, offset, out, out_bf16, at + 16);
+}

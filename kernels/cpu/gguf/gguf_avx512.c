@@ -206,3 +206,40 @@ static inline __attribute__((always_inline)) void run_pass(int type, int batch, 
     for (int r = 0; r < ROW_GROUP; r++)
         for (int m = 0; m < batch; m++) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
 }
+
+/* ---- decoded blocks -> float32 or bf16 values ---------------------------------------------- */
+
+/* 16 floats -> 16 bf16, rounded to nearest even as torch does (NaN kept a quiet NaN). */
+static inline __m256i round_to_bf16(__m512 values) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(values);
+#else
+    __m512i bits = _mm512_castps_si512(values);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16),
+                                   _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(rounded);
+#endif
+}
+
+/* 32 int16 codes -> scale * code + offset at out[at..at+32) in float32 or bf16 (decode_row_values
+ * in gguf_registers.c says why this gives gguf's values bit for bit). */
+static inline void store_block_values(__m512i codes, float scale_value, float offset_value,
+                                      void *out, int out_bf16, int64_t at) {
+    const __m512 scale = _mm512_set1_ps(scale_value), offset = _mm512_set1_ps(offset_value);
+    __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+        _mm512_castsi512_si256(codes))), scale, offset);
+    __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+        _mm512_extracti64x4_epi64(codes, 1))), scale, offset);
+    if (out_bf16) {
+        uint16_t *dst = (uint16_t *)out + at;
+        _mm256_storeu_si256((__m256i *)dst, round_to_bf16(low));
+        _mm256_storeu_si256((__m256i *)(dst + 16), round_to_bf16(high));
+    } else {
+        _mm512_storeu_ps((float *)out + at, low);
+        _mm512_storeu_ps((float *)out + at + 16, high);
+    }
+}

@@ -29,7 +29,10 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GGUF_PATH "avx512_bf16"
+#define IN_REGISTERS 1  /* the AVX-512 VNNI kernel, and gguf_bf16_tiles.c for bf16 rows */
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
 #define GGUF_PATH "avx512_vnni"
 #define IN_REGISTERS 1  /* gguf_avx512.c: weight blocks decoded in registers */
 #elif defined(__AVX2__)
@@ -62,6 +65,7 @@ int gguf_cpu_supports(int path) {
     case 2: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
                    __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case 3: return gguf_cpu_supports(2) && __builtin_cpu_supports("avx512bf16");
     default: return 0;
     }
 }
@@ -339,16 +343,34 @@ static void free_row(UnpackedRow *row) { free(row->codes); free(row->scale); fre
 /* 1 when this library's GEMM decodes weight blocks in registers, 0 when it unpacks tiles. */
 int gguf_decodes_in_registers(void) { return IN_REGISTERS; }
 
+/* 1 when this library has the bf16 tile GEMM (gguf_bf16_tiles.c). */
+int gguf_has_bf16_tiles(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* y[m, n] (float32, row stride y_stride) = sum_k x[m, k] * W[row_map[n] or n, k].
  * w: the tensor's blocks, row_bytes apart; x: float32 or bf16 (x_bf16), row stride x_stride.
+ * bf16_from_rows: bf16 x of at least this many rows runs the bf16 tile GEMM where the library
+ * has it (0: never; the caller chooses, so that batch-invariant mode can keep one kernel).
  * Returns 0 done, 1 unsupported type or shape, 2 out of memory. */
 int gguf_gemm(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
               int64_t n_rows, int64_t k, const void *x, int x_bf16, int64_t x_stride,
-              int64_t m_rows, float *y, int64_t y_stride, int threads) {
+              int64_t m_rows, float *y, int64_t y_stride, int threads, int64_t bf16_from_rows) {
     if (!check_shape(type, k)) return 1;
     if (threads < 1) threads = 1;
     /* Small products run on the calling thread: a team's fork and join cost more there. */
     if (m_rows * n_rows * k < SMALL_PRODUCT) threads = 1;
+#if defined(__AVX512BF16__)
+    if (x_bf16 && bf16_from_rows > 0 && m_rows >= bf16_from_rows)
+        return gemm_bf16_tiles(type, w, row_bytes, row_map, n_rows, k, (const uint16_t *)x,
+                               x_stride, m_rows, y, y_stride, threads);
+#else
+    (void)bf16_from_rows;
+#endif
 #if IN_REGISTERS
     return gemm_in_registers(type, w, row_bytes, row_map, n_rows, k, x, x_bf16, x_stride, m_rows,
                              y, y_stride, threads);
@@ -417,8 +439,17 @@ int gguf_dequantize_rows(int type, const uint8_t *w, int64_t row_bytes, const in
                          int64_t n_rows, int64_t k, void *out, int out_bf16, int64_t out_stride,
                          int threads) {
     if (!check_shape(type, k)) return 1;
-    int status = 0;
     if (threads < 1) threads = 1;
+#if IN_REGISTERS  /* decoded in registers, as the GEMM does */
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n_rows; i++) {
+        void *at = out_bf16 ? (void *)((uint16_t *)out + i * out_stride)
+                            : (void *)((float *)out + i * out_stride);
+        decode_row_values(type, weight_row(w, row_bytes, row_map, i), k, at, out_bf16);
+    }
+    return 0;
+#else
+    int status = 0;
 #pragma omp parallel num_threads(threads)
     {
         UnpackedRow row;
@@ -436,4 +467,5 @@ int gguf_dequantize_rows(int type, const uint8_t *w, int64_t row_bytes, const in
         free_row(&row);
     }
     return status;
+#endif
 }

@@ -106,6 +106,68 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const Pass *p, 
 #include "gguf_avx2.c"
 #endif
 
+/* ---- weight rows -> values (row look-ups, dequantized tiles, the bf16 tile path) ---------- */
+
+/* Scales and offsets of the 32-blocks of one stored block (8 for the K-quants, else 1), such
+ * that value = scale * decode_block() + offset. */
+static inline void block_scales(int type, const uint8_t *b, float scale[8], float offset[8]) {
+    switch (type) {
+    case T_Q4_K: case T_Q5_K: {
+        uint8_t bytes[16];
+        k4_scales_mins_bytes(b + 4, bytes);
+        float d = half_to_float(b), dmin = half_to_float(b + 2);
+        for (int j = 0; j < 8; j++) {
+            scale[j] = d * (float)bytes[j];
+            offset[j] = -dmin * (float)bytes[8 + j];
+        }
+        return;
+    }
+    case T_Q6_K: scale[0] = half_to_float(b + 208); offset[0] = 0.0f; return;
+    case T_Q4_1: case T_Q5_1: scale[0] = half_to_float(b); offset[0] = half_to_float(b + 2); return;
+    default: scale[0] = half_to_float(b); offset[0] = 0.0f; return;
+    }
+}
+
+/* One weight row of k values as float32 or bf16 at out[0..k). Always inlined into a switch
+ * over the types, so that decode_block's type is a constant. */
+static inline __attribute__((always_inline)) void decode_row_typed(int type, const uint8_t *row,
+                                                                   int64_t k, void *out,
+                                                                   int out_bf16) {
+    const int per = type >= T_Q4_K ? 8 : 1, size = block_bytes(type);
+    for (int64_t stored = 0; stored < k / (32 * per); stored++) {
+        const uint8_t *b = row + stored * size;
+        float scale[8], offset[8];
+        block_scales(type, b, scale, offset);
+#pragma GCC unroll 8
+        for (int j = 0; j < per; j++) {
+            int s = type == T_Q6_K ? 0 : j;  /* Q6_K's sub-block scales are in its codes */
+            store_block_values(decode_block(type, b, j), scale[s], offset[s], out, out_bf16,
+                               (stored * per + j) * 32);
+        }
+    }
+}
+
+/* One weight row as values: what gguf.quants.dequantize gives, in float32 or rounded to bf16
+ * (nearest even, as torch rounds). The product of a code and its scale is exact in float32 (an
+ * fp16 scale times a 6-bit scale times a code of at most 8 bits), so the one rounding of the
+ * FMA gives gguf's own float32 values bit for bit. */
+static void decode_row_values(int type, const uint8_t *row, int64_t k, void *out, int out_bf16) {
+    switch (type) {
+    case T_Q4_0: decode_row_typed(T_Q4_0, row, k, out, out_bf16); return;
+    case T_Q4_1: decode_row_typed(T_Q4_1, row, k, out, out_bf16); return;
+    case T_Q5_0: decode_row_typed(T_Q5_0, row, k, out, out_bf16); return;
+    case T_Q5_1: decode_row_typed(T_Q5_1, row, k, out, out_bf16); return;
+    case T_Q8_0: decode_row_typed(T_Q8_0, row, k, out, out_bf16); return;
+    case T_Q4_K: decode_row_typed(T_Q4_K, row, k, out, out_bf16); return;
+    case T_Q5_K: decode_row_typed(T_Q5_K, row, k, out, out_bf16); return;
+    case T_Q6_K: decode_row_typed(T_Q6_K, row, k, out, out_bf16); return;
+    }
+}
+
+#if defined(__AVX512BF16__)
+#include "gguf_bf16_tiles.c"  /* gemm_bf16_tiles: bf16 activations from a few rows on */
+#endif
+
 /* One specialised copy per (type, batch): the type's decode and the loop bounds are then
  * constants, and the accumulators stay in registers (most of them, on AVX2). */
 #define PASS_BATCHES(T)                                    \

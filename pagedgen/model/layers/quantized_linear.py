@@ -6,10 +6,15 @@ gate/up likewise, a plain tensor as a single part. A part may read its tensor's 
 another order (row_map): that is how llama.cpp's permuted Q/K rows are put back in
 transformers' order without copying the tensor.
 
-Small row counts run the int8 kernels (kernels/cpu/gguf: activations quantized per block of
-32, int8 dot products). From DEQUANTIZE_MIN_ROWS rows on, a projection dequantizes its weight
-to bf16 for the call and runs the dense GEMM, which is faster there (bench/bench_gguf_gemm.py
-measures the crossover); batch-invariant mode never does, so that a row's result does not
+Three kernels, chosen by the number of rows (bench/bench_gguf_gemm.py measures the crossovers):
+ - few rows: the int8 kernels (kernels/cpu/gguf: activations quantized per block of 32, int8
+   dot products, weight blocks decoded in registers);
+ - bf16 activations from BF16_TILES_MIN_ROWS rows on, where the library has AVX-512 BF16: the
+   bf16 tile GEMM (a few weight rows decoded to bf16 in cache, then run against every row),
+   which computes what the dequantized bf16 path computes;
+ - from dequantize_min_rows() on: the weight dequantized to bf16 for the call and the dense
+   GEMM, whose blocking wins on many rows.
+Batch-invariant mode keeps the int8 kernels at every row count, so that a row's result does not
 depend on how many rows share its batch.
 """
 from __future__ import annotations
@@ -22,7 +27,16 @@ import torch.nn.functional as F
 
 from pagedgen.kernels.cpu import gguf as gguf_kernels
 
-DEQUANTIZE_MIN_ROWS = 64  # int8 kernels below, dequantize + dense GEMM from here on
+BF16_TILES_MIN_ROWS = 4  # bf16 rows: int8 kernels below, bf16 tiles from here (AVX-512 BF16)
+DEQUANTIZE_MIN_ROWS = 64  # without bf16 tiles: int8 kernels below, dequantize + GEMM from here
+DEQUANTIZE_MIN_ROWS_AFTER_TILES = 192  # with them: the tiles below, dequantize + GEMM from here
+
+
+def dequantize_min_rows(library: gguf_kernels.GgufLibrary) -> int:
+    """Rows from which dequantize + dense GEMM beats the packed kernels of this library."""
+    if gguf_kernels.has_bf16_tiles(library):
+        return DEQUANTIZE_MIN_ROWS_AFTER_TILES
+    return DEQUANTIZE_MIN_ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,14 +78,16 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         rows = rows.float()
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if rows.shape[0] >= DEQUANTIZE_MIN_ROWS and not weight.invariant:
+    if rows.shape[0] >= dequantize_min_rows(weight.library) and not weight.invariant:
         out = F.linear(rows.to(torch.bfloat16), dequantized(weight, torch.bfloat16))
     else:
         out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
+        tiles_from = 0 if weight.invariant else BF16_TILES_MIN_ROWS
         column = 0
         for part in weight.parts:
             gguf_kernels.gemm(weight.library, part.tensor_type, part.blocks, weight.in_features,
-                              rows, part.row_map, out[:, column:column + part.out_features])
+                              rows, part.row_map, out[:, column:column + part.out_features],
+                              bf16_from_rows=tiles_from)
             column += part.out_features
     if bias is not None:
         out = out + bias
