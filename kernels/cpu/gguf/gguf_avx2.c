@@ -305,3 +305,10 @@ static inline void store_block_values(Block16x2 codes, float scale_value, float 
     store_values16(codes.low, scale, offset, out, out_bf16, at);
     store_values16(codes.high, scale, offset, out, out_bf16, at + 16);
 }
+
+static inline void store_block_values_typed(int type, Block16x2 codes, float scale_value,
+                                            float offset_value, void *out, int out_bf16,
+                                            int64_t at) {
+    (void)type;  /* no word permute across 256-bit lanes in AVX2: every code converted */
+    store_block_values(codes, scale_value, offset_value, out, out_bf16, at);
+}

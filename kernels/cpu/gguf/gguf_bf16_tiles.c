@@ -3,18 +3,33 @@
  * Why: the int kernel (gguf_registers.c) pays a conversion and an FMA on 16 float lanes per
  * 32-block for every (weight row, activation row) pair, three to seven times the bf16 GEMM's
  * time on dequantized weights once a step has more than a handful of rows. Here a tile of
- * BF16_TILE weight rows is decoded once to bf16 (decode_row_values: gguf's own float32 values,
+ * BF16_TILE_ROWS weight rows is decoded once to bf16 (decode_row_values: gguf's own float32 values,
  * rounded to nearest even, i.e. exactly what the dequantized bf16 path holds), into a buffer
  * that stays in L1/L2, and every activation row then runs past it with one VDPBF16PS per
  * 32-block: the arithmetic of the dense bf16 GEMM, with the weight read as stored. The result
  * is the dequantized bf16 path's product up to float32 summation order.
  *
- * A pass keeps BF16_TILE x BF16_BATCH accumulators of 16 partial sums each (lanes along K);
- * one transpose-and-add tree turns the 16 of them into the 16 outputs.
+ * A pass keeps BF16_PASS_ROWS x BF16_BATCH accumulators of 16 partial sums each (lanes along K);
+ * one shuffle-and-add tree turns the 16 of them into the 16 outputs.
  */
 
-#define BF16_TILE 4   /* weight rows decoded together */
-#define BF16_BATCH 4  /* activation rows per pass: BF16_TILE x BF16_BATCH = 16 accumulators */
+/* Every pass streams its activation rows past the tile, from L2 once there are more of them
+ * than L1 holds: eight weight rows per pass halve that traffic against four (4 x 4 was up to
+ * 1.4x slower from 16 rows on, bench/GGUF_FIGURES.md; 16 x 1 slower everywhere). -D
+ * overrides, for trying other shapes. */
+#ifndef BF16_PASS_ROWS
+#define BF16_PASS_ROWS 8  /* weight rows per pass */
+#endif
+#ifndef BF16_BATCH
+#define BF16_BATCH 2      /* activation rows per pass: 8 x 2 = 16 accumulators */
+#endif
+_Static_assert(BF16_PASS_ROWS * BF16_BATCH == 16, "one pass reduces 16 accumulators");
+/* Weight rows decoded per tile: 16 float32 outputs are one 64-byte line of each output row.
+ * With 8, each line was written in two parts a whole pass over the weight apart (an LM head's
+ * output rows are a megabyte long), which cost more than the arithmetic. */
+#define BF16_TILE_ROWS 16
+#define BF16_HALVES (BF16_TILE_ROWS / BF16_PASS_ROWS)
+#define TILE_L1_BYTES (24 << 10)  /* a decoded tile this small stays in L1 (32-48 KiB) */
 
 /* 16 vectors -> one vector whose lane i is the sum of v[i]'s lanes: three levels of
  * shuffle-and-add (halves, quarters, then pairs within a quarter) instead of 16 reductions. */
@@ -37,7 +52,8 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
     return _mm512_permutexvar_ps(order, sums);
 }
 
-/* Activation rows m0..m0+batch-1 against the decoded tile: y[m, first + r]. */
+/* BF16_PASS_ROWS decoded weight rows (rows of `tile`, k apart) against `batch` activation rows:
+ * y[m * y_stride + r] for the first `rows` of them. */
 static inline __attribute__((always_inline)) void bf16_pass(int batch, const uint16_t *tile,
                                                            const uint16_t *x, int64_t x_stride,
                                                            int64_t k, int rows, float *y,
@@ -45,54 +61,105 @@ static inline __attribute__((always_inline)) void bf16_pass(int batch, const uin
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t at = 0; at < k; at += 32) {
-        __m512bh w[BF16_TILE];
-        for (int r = 0; r < BF16_TILE; r++)
+        __m512bh w[BF16_PASS_ROWS];
+        for (int r = 0; r < BF16_PASS_ROWS; r++)
             w[r] = (__m512bh)_mm512_loadu_si512(tile + r * k + at);
         for (int m = 0; m < batch; m++) {
             __m512bh v = (__m512bh)_mm512_loadu_si512(x + m * x_stride + at);
-            for (int r = 0; r < BF16_TILE; r++)
-                acc[m * BF16_TILE + r] = _mm512_dpbf16_ps(acc[m * BF16_TILE + r], w[r], v);
+            for (int r = 0; r < BF16_PASS_ROWS; r++)
+                acc[m * BF16_PASS_ROWS + r] = _mm512_dpbf16_ps(acc[m * BF16_PASS_ROWS + r], w[r], v);
         }
     }
     float sums[16];
     _mm512_storeu_ps(sums, sum_lanes16(acc));
     for (int m = 0; m < batch; m++)
-        for (int r = 0; r < rows; r++) y[m * y_stride + r] = sums[m * BF16_TILE + r];
+        for (int r = 0; r < rows; r++) y[m * y_stride + r] = sums[m * BF16_PASS_ROWS + r];
 }
 
-/* gguf_gemm's contract, for bf16 x: output columns in tiles of BF16_TILE rows, split between
- * the threads; each tile decoded once and run against all m_rows activation rows. */
+static inline int kept_in_half(int rows, int half) {
+    int kept = rows - half * BF16_PASS_ROWS;
+    return kept < 0 ? 0 : kept < BF16_PASS_ROWS ? kept : BF16_PASS_ROWS;
+}
+
+/* `batch` activation rows through both halves of a decoded tile of which `rows` are kept
+ * (the rest stood in for rows past the weight's end). */
+static inline __attribute__((always_inline)) void batch_through_tile(
+        int batch, const uint16_t *tile, const uint16_t *x, int64_t x_stride, int64_t k, int rows,
+        float *y, int64_t y_stride) {
+    for (int half = 0; half < BF16_HALVES; half++)
+        if (kept_in_half(rows, half))
+            bf16_pass(batch, tile + half * BF16_PASS_ROWS * k, x, x_stride, k,
+                      kept_in_half(rows, half), y + half * BF16_PASS_ROWS, y_stride);
+}
+
+/* Activation rows x[0..m_rows) against a tile: batch by batch through the whole tile when it
+ * fits L1 (fewer, shorter trips through x), else half by half, each half (which does fit)
+ * through every row. Either way the second half completes each output line soon after the
+ * first wrote its part. */
+static void rows_through_tile(int whole_tile_in_l1, const uint16_t *tile, const uint16_t *x,
+                              int64_t x_stride, int64_t m_rows, int64_t k, int rows, float *y,
+                              int64_t y_stride) {
+    for (int half = 0; half < (whole_tile_in_l1 ? 1 : BF16_HALVES); half++) {
+        const uint16_t *part = whole_tile_in_l1 ? tile : tile + half * BF16_PASS_ROWS * k;
+        int kept = whole_tile_in_l1 ? rows : kept_in_half(rows, half);
+        float *out = whole_tile_in_l1 ? y : y + half * BF16_PASS_ROWS;
+        if (kept == 0) break;
+        int64_t m0 = 0;
+#define THROUGH(batch, at)                                                                      \
+        if (whole_tile_in_l1)                                                                   \
+            batch_through_tile(batch, part, x + (at) * x_stride, x_stride, k, kept,             \
+                               out + (at) * y_stride, y_stride);                                \
+        else                                                                                    \
+            bf16_pass(batch, part, x + (at) * x_stride, x_stride, k, kept, out + (at) * y_stride, \
+                      y_stride)
+        for (; m0 + BF16_BATCH <= m_rows; m0 += BF16_BATCH) { THROUGH(BF16_BATCH, m0); }
+        /* the rest, each count its own copy of the loop */
+        int rest = (int)(m_rows - m0);
+        if (rest == 1) { THROUGH(1, m0); }
+#if BF16_BATCH > 2
+        else if (rest == 2) { THROUGH(2, m0); }
+#endif
+#if BF16_BATCH > 3
+        else if (rest == 3) { THROUGH(3, m0); }
+#endif
+#undef THROUGH
+    }
+}
+
+/* gguf_gemm's contract, for bf16 x: output columns in tiles of BF16_TILE_ROWS weight rows,
+ * split between the threads; each tile decoded once and run against all m_rows activation
+ * rows. */
 static int gemm_bf16_tiles(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
                            int64_t n_rows, int64_t k, const uint16_t *x, int64_t x_stride,
                            int64_t m_rows, float *y, int64_t y_stride, int threads) {
     int status = 0;
+    /* rows_through_tile's order (each measured 1.1-1.4x slower on the other's shapes: K = 576
+     * and 640 against 2048). */
+    const int whole_tile_in_l1 = BF16_TILE_ROWS * k * (int64_t)sizeof(uint16_t) <= TILE_L1_BYTES;
 #pragma omp parallel num_threads(threads)
     {
-        uint16_t *tile = aligned_alloc(64, sizeof(uint16_t) * (size_t)(BF16_TILE * k + 32));
+        uint16_t *tile = aligned_alloc(64, sizeof(uint16_t) * (size_t)(BF16_TILE_ROWS * k + 32));
         if (!tile) {
 #pragma omp atomic write
             status = 2;
         }
 #pragma omp for schedule(static)
-        for (int64_t first = 0; first < n_rows; first += BF16_TILE) {
+        for (int64_t first = 0; first < n_rows; first += BF16_TILE_ROWS) {
             if (!tile) continue;
-            int rows = (int)(n_rows - first < BF16_TILE ? n_rows - first : BF16_TILE);
-            for (int r = 0; r < BF16_TILE; r++)  /* the last row stands in for missing ones */
+            int rows = (int)(n_rows - first < BF16_TILE_ROWS ? n_rows - first : BF16_TILE_ROWS);
+            for (int r = 0; r < BF16_TILE_ROWS; r++) {  /* the last row stands in for missing ones */
                 decode_row_values(type, weight_row(w, row_bytes, row_map,
                                                    first + (r < rows ? r : rows - 1)),
                                   k, tile + r * k, 1);
-            int64_t m0 = 0;
-            for (; m0 + BF16_BATCH <= m_rows; m0 += BF16_BATCH)
-                bf16_pass(BF16_BATCH, tile, x + m0 * x_stride, x_stride, k, rows,
-                          y + m0 * y_stride + first, y_stride);
-            switch (m_rows - m0) {  /* the rest, each count its own copy of the loop */
-            case 1: bf16_pass(1, tile, x + m0 * x_stride, x_stride, k, rows,
-                              y + m0 * y_stride + first, y_stride); break;
-            case 2: bf16_pass(2, tile, x + m0 * x_stride, x_stride, k, rows,
-                              y + m0 * y_stride + first, y_stride); break;
-            case 3: bf16_pass(3, tile, x + m0 * x_stride, x_stride, k, rows,
-                              y + m0 * y_stride + first, y_stride); break;
+                if (first + BF16_TILE_ROWS + r < n_rows) {  /* the next tile's row, into L2 */
+                    const char *next = (const char *)weight_row(w, row_bytes, row_map,
+                                                                first + BF16_TILE_ROWS + r);
+                    for (int64_t line = 0; line < row_bytes; line += 64)
+                        _mm_prefetch(next + line, _MM_HINT_T1);
+                }
             }
+            rows_through_tile(whole_tile_in_l1, tile, x, x_stride, m_rows, k, rows, y + first,
+                              y_stride);
         }
         free(tile);
     }

@@ -141,8 +141,8 @@ static inline __attribute__((always_inline)) void decode_row_typed(int type, con
 #pragma GCC unroll 8
         for (int j = 0; j < per; j++) {
             int s = type == T_Q6_K ? 0 : j;  /* Q6_K's sub-block scales are in its codes */
-            store_block_values(decode_block(type, b, j), scale[s], offset[s], out, out_bf16,
-                               (stored * per + j) * 32);
+            store_block_values_typed(type, decode_block(type, b, j), scale[s], offset[s], out,
+                                     out_bf16, (stored * per + j) * 32);
         }
     }
 }
