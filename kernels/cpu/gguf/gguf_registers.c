@@ -148,9 +148,11 @@ static inline __attribute__((always_inline)) void decode_row_typed(int type, con
 }
 
 /* One weight row as values: what gguf.quants.dequantize gives, in float32 or rounded to bf16
- * (nearest even, as torch rounds). The product of a code and its scale is exact in float32 (an
- * fp16 scale times a 6-bit scale times a code of at most 8 bits), so the one rounding of the
- * FMA gives gguf's own float32 values bit for bit. */
+ * (nearest even, as torch rounds). Every value is one float32 rounding of the same exact
+ * expression gguf evaluates: a code times its scale is exact in float32 (an fp16 d times a
+ * 6-bit scale times a code of at most 5 bits, or Q8_0's d times a byte), so gguf's product and
+ * sum round once, as the FMA does; Q6_K's d x (int8 scale x code) may need 25 bits and is
+ * rounded once in both. Hence gguf's float32 values bit for bit. */
 static void decode_row_values(int type, const uint8_t *row, int64_t k, void *out, int out_bf16) {
     switch (type) {
     case T_Q4_0: decode_row_typed(T_Q4_0, row, k, out, out_bf16); return;
