@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "peers"))
 
-from llama_cpp_peer import CHILD_FLAG, read_request, reply, run_child  # noqa: E402
+from llama_cpp_peer import (  # noqa: E402
+    main_or_child, read_request, reply, run_child, system_info_line,
+)
 
 N_BATCH = 512     # llama.cpp's prompt batch (its default n_batch)
 WARM_UP = 4       # requests of the untimed first run (both engines)
@@ -159,11 +161,8 @@ def main() -> None:
                 agree += f", packed~llama.cpp {agreeing(runs['packed'][1], llama['tokens'])}"
             print(line + "\n" + agree, flush=True)
     if llama is not None:
-        print(f"llama.cpp system info: {llama['system_info'].strip()}", flush=True)
+        print(system_info_line(llama), flush=True)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == [CHILD_FLAG]:
-        llama_child()
-    else:
-        main()
+    main_or_child(main, llama_child)

@@ -23,7 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "peers"))
 
-from llama_cpp_peer import CHILD_FLAG, read_request, reply, run_child  # noqa: E402
+from llama_cpp_peer import (  # noqa: E402
+    main_or_child, read_request, reply, run_child, system_info_line,
+)
 PROMPT_TOKENS = 64
 
 
@@ -102,11 +104,8 @@ def main() -> None:
                          f"(packed/llama.cpp {rates['packed'] / llama['rate']:.2f}x)")
             print(line, flush=True)
     if args.llama_python:
-        print(f"llama.cpp system info: {llama['system_info'].strip()}", flush=True)
+        print(system_info_line(llama), flush=True)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == [CHILD_FLAG]:
-        llama_child()
-    else:
-        main()
+    main_or_child(main, llama_child)

@@ -27,7 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "peers"))
 
-from llama_cpp_peer import CHILD_FLAG, read_request, reply, run_child  # noqa: E402
+from llama_cpp_peer import (  # noqa: E402
+    main_or_child, read_request, reply, run_child, system_info_line,
+)
 
 
 def model_path(name: str) -> Path:
@@ -146,7 +148,7 @@ def main() -> None:
         if args.llama_python:
             llama = llama_nll(args.llama_python, path, windows, args.threads)
             rows[f"llama.cpp {llama['version']}"] = math.exp(llama["nll"] / llama["count"])
-            print(f"llama.cpp system info: {llama['system_info'].strip()}", flush=True)
+            print(system_info_line(llama), flush=True)
         reference = rows.get(next((k for k in rows if k.startswith("llama.cpp")), ""), None)
         print(f"{path.name}: {args.windows} windows of {args.window} tokens, "
               f"{count} scored tokens, threads {args.threads}", flush=True)
@@ -175,7 +177,4 @@ def _text() -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == [CHILD_FLAG]:
-        llama_child()
-    else:
-        main()
+    main_or_child(main, llama_child)

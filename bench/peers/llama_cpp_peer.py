@@ -33,3 +33,13 @@ def reply(result: dict) -> None:
     result |= {"version": llama_cpp.__version__,
                "system_info": llama_cpp.llama_print_system_info().decode()}
     print(_PREFIX + json.dumps(result), flush=True)
+
+
+def main_or_child(main, child) -> None:
+    """A bench script's entry point: its llama.cpp child when run with CHILD_FLAG, else main."""
+    (child if sys.argv[1:] == [CHILD_FLAG] else main)()
+
+
+def system_info_line(result: dict) -> str:
+    """The CPU features the child's llama.cpp was built with, for the bench's output."""
+    return f"llama.cpp system info: {result['system_info'].strip()}"

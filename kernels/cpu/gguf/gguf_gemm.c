@@ -91,29 +91,7 @@ static float half_to_float(const uint8_t *p) {
 }
 #endif
 
-#if !IN_REGISTERS
-static float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float out;
-    memcpy(&out, &bits, 4);
-    return out;
-}
-#endif
-
-static uint16_t float_to_bf16(float value) {  /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &value, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN */
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-/* ---- weight blocks -> codes, per-16 scales and offsets ------------------------------------ */
-
-typedef struct {
-    uint8_t *codes;  /* K codes (int8 for Q8_0, stored in the same bytes) */
-    float *scale;    /* K/16 */
-    float *offset;   /* K/16 */
-} UnpackedRow;
+/* ---- block layouts (ggml-common.h) --------------------------------------------------------- */
 
 static int block_values(int type) { return type >= T_Q4_K ? 256 : 32; }
 
@@ -125,41 +103,38 @@ static int block_bytes(int type) {
     }
 }
 
+#if !IN_REGISTERS  /* the tile path: the portable library */
+
+static uint16_t float_to_bf16(float value) {  /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+/* ---- weight blocks -> codes, per-16 scales and offsets ------------------------------------ */
+
+typedef struct {
+    uint8_t *codes;  /* K codes (int8 for Q8_0, stored in the same bytes) */
+    float *scale;    /* K/16 */
+    float *offset;   /* K/16 */
+} UnpackedRow;
+
 static void set_pair(UnpackedRow *row, int64_t half, float scale, float offset) {
     row->scale[half] = row->scale[half + 1] = scale;
     row->offset[half] = row->offset[half + 1] = offset;
 }
 
-#if defined(__AVX2__)
-/* n bytes -> their low nibbles at codes[0..n), high nibbles at codes[n..2n); n = 16 or 32 */
-static inline void split_nibbles(uint8_t *codes, const uint8_t *qs, int n) {
-    if (n == 32) {
-        __m256i raw = _mm256_loadu_si256((const __m256i *)qs), low = _mm256_set1_epi8(15);
-        _mm256_storeu_si256((__m256i *)codes, _mm256_and_si256(raw, low));
-        _mm256_storeu_si256((__m256i *)(codes + 32),
-                            _mm256_and_si256(_mm256_srli_epi16(raw, 4), low));
-        return;
-    }
-    __m128i raw = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(15);
-    _mm_storeu_si128((__m128i *)codes, _mm_and_si128(raw, low));
-    _mm_storeu_si128((__m128i *)(codes + 16), _mm_and_si128(_mm_srli_epi16(raw, 4), low));
-}
-
-/* 32 bits -> 32 bytes, byte j = 16 where bit j is set: each byte picks its source byte of the
- * word, keeps its own bit, and a compare turns that into all ones. */
-static inline __m256i bits_to_sixteens(uint32_t bits) {
-    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick);
-    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    return _mm256_and_si256(set, _mm256_set1_epi8(16));
-}
-#else
 static void split_nibbles(uint8_t *codes, const uint8_t *qs, int n) {
     for (int j = 0; j < n; j++) { codes[j] = qs[j] & 15; codes[j + n] = qs[j] >> 4; }
 }
-#endif
 
 static void nibbles(uint8_t *codes, const uint8_t *qs) {  /* low nibbles, then high nibbles */
     split_nibbles(codes, qs, 16);
@@ -168,12 +143,7 @@ static void nibbles(uint8_t *codes, const uint8_t *qs) {  /* low nibbles, then h
 static void fifth_bits(uint8_t *codes, const uint8_t *qh_bytes) {
     uint32_t qh = (uint32_t)qh_bytes[0] | (uint32_t)qh_bytes[1] << 8 |
                   (uint32_t)qh_bytes[2] << 16 | (uint32_t)qh_bytes[3] << 24;
-#if defined(__AVX2__)
-    __m256i old = _mm256_loadu_si256((const __m256i *)codes);
-    _mm256_storeu_si256((__m256i *)codes, _mm256_or_si256(old, bits_to_sixteens(qh)));
-#else
     for (int j = 0; j < 32; j++) codes[j] |= (uint8_t)(((qh >> j) & 1u) << 4);
-#endif
 }
 
 /* Q4_K/Q5_K: 8 scales and 8 mins of 6 bits packed into 12 bytes (ggml's get_scale_min_k4). */
@@ -251,8 +221,6 @@ static void unpack_row(int type, const uint8_t *w, int64_t k, UnpackedRow *row) 
     }
 }
 
-#if !IN_REGISTERS  /* the tile path: the portable library */
-
 /* ---- activations: int8 per block of 32 ----------------------------------------------------- */
 
 static float load_x(const void *x, int bf16, int64_t index) {
@@ -327,6 +295,7 @@ static const uint8_t *weight_row(const uint8_t *w, int64_t row_bytes, const int6
     return w + (row_map ? row_map[n] : n) * row_bytes;
 }
 
+#if !IN_REGISTERS
 static int alloc_row(UnpackedRow *row, int64_t k) {
     row->codes = malloc((size_t)k);
     row->scale = malloc(sizeof(float) * (size_t)(k / 16));
@@ -335,6 +304,7 @@ static int alloc_row(UnpackedRow *row, int64_t k) {
 }
 
 static void free_row(UnpackedRow *row) { free(row->codes); free(row->scale); free(row->offset); }
+#endif
 
 #if IN_REGISTERS
 #include "gguf_registers.c"
@@ -414,6 +384,7 @@ int gguf_gemm(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_
 #endif
 }
 
+#if !IN_REGISTERS
 /* One unpacked row as values: scale * code + offset (the offset is per unit of activation in
  * a product, so as a weight it is just added). Branch-free inner loops, so they vectorize. */
 static void write_values(const UnpackedRow *row, int64_t k, int signed_codes, void *out,
@@ -432,6 +403,7 @@ static void write_values(const UnpackedRow *row, int64_t k, int signed_codes, vo
         }
     }
 }
+#endif
 
 /* out[i, :] = W[row_map[i] or i, :] as float32 (out_bf16 = 0) or bf16 (rounded to nearest
  * even), row stride out_stride elements: embedding look-ups and dequantized weight tiles. */
