@@ -1,7 +1,8 @@
 """The one-call decode step (kernels/cpu/decode_step.c via pagedgen/model/layers/fused_decode.py) gives
 bit-identical logits and KV cache (8-bit pools: codes and scales) to running the layers one
-module at a time, Llama family and Gemma 3 (on its hybrid KV pool too), and steps it does not
-cover (prefill chunks) still run the layers."""
+module at a time, Llama family and Gemma 3 (on its hybrid KV pool too), on weights packed for
+our GEMMs and on GGUF blocks as stored, and steps it does not cover (prefill chunks, more rows
+than the projections' kernels take) still run the layers."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +14,8 @@ from pagedgen.kernels.cpu import native
 from pagedgen.model.loading.loader import load_model
 from pagedgen.model.runtime.runner import ModelRunner, ScheduledChunk
 from pagedgen.settings import EngineConfig
+from pagedgen.model.layers import quantized_linear as ql
+from test_gguf_packed_model import write_quantized_gguf
 from tiny_models import WINDOWS, sequential_block_tables, tiny_model_dir
 
 BLOCK_SIZE = 8
@@ -41,7 +44,7 @@ class _Spy:
         return self.results[-1]
 
 
-def _generate(runner: ModelRunner, fused: bool, steps: int = 5):
+def _generate(runner: ModelRunner, fused: bool, steps: int = 5, lengths=PROMPT_LENGTHS):
     """Prefill, then greedy decode steps: every step's logits, the final cache, the spy."""
     saved = runner.model.fused_decode
     spy = _Spy(saved)
@@ -49,7 +52,7 @@ def _generate(runner: ModelRunner, fused: bool, steps: int = 5):
     runner.kv_cache.view(torch.uint8).zero_()
     if runner.kv_scales is not None:
         runner.kv_scales.zero_()
-    lengths = list(PROMPT_LENGTHS)
+    lengths = list(lengths)
     tables = sequential_block_tables([n + steps for n in lengths], BLOCK_SIZE)
     prompts = [[(7 * s + 3 * t) % 100 + 1 for t in range(n)] for s, n in enumerate(lengths)]
     logits = [runner.execute([ScheduledChunk(p, 0, table, True)
@@ -65,13 +68,14 @@ def _generate(runner: ModelRunner, fused: bool, steps: int = 5):
     return logits, (runner.kv_cache.view(torch.uint8).clone(), scales), spy
 
 
-def _assert_fused_equals_layers(runner):
+def _assert_fused_equals_layers(runner, lengths=PROMPT_LENGTHS, covered=True):
     """The same greedy run fused and layer by layer: the prefill step not covered (None), every
-    decode step covered, logits and K/V (an 8-bit pool's scales too) bit-identical. Returns
-    the fused run's logits and cache."""
-    fused_logits, fused_cache, spy = _generate(runner, fused=True)
-    layer_logits, layer_cache, _ = _generate(runner, fused=False)
-    assert [r is not None for r in spy.results] == [False] + [True] * (len(fused_logits) - 1)
+    decode step covered (or none: covered=False), logits and K/V (an 8-bit pool's scales too)
+    bit-identical. Returns the fused run's logits and cache."""
+    fused_logits, fused_cache, spy = _generate(runner, fused=True, lengths=lengths)
+    layer_logits, layer_cache, _ = _generate(runner, fused=False, lengths=lengths)
+    decodes = [covered] * (len(fused_logits) - 1)
+    assert [r is not None for r in spy.results] == [False] + decodes
     for fused, layered in zip(fused_logits, layer_logits):
         assert torch.equal(fused, layered)
     assert torch.equal(fused_cache[0], layer_cache[0])
@@ -88,6 +92,25 @@ def test_fused_decode_is_bit_identical_to_the_layers(model, kv_cache_dtype):
     # 8-bit pools: the codes and their scales (re-quantized as blocks fill) must match too.
     runner = _runner(str(tiny_model_dir("llama")) if model == "tiny" else None, kv_cache_dtype)
     _assert_fused_equals_layers(runner)
+
+
+def test_fused_decode_on_gguf_blocks_is_bit_identical_to_the_layers(tmp_path):
+    """Packed GGUF projections (q/k read through a row map, Q4_0/Q4_1/Q5_0/Q8_0 parts): decode
+    batches on the int8 kernel (fewer rows than BF16_TILES_MIN_ROWS) and on the bf16 tiles
+    where the library has them; from the dequantize crossover on, the layers run."""
+    loaded = load_model(str(write_quantized_gguf(tmp_path / "q.gguf")), dtype=torch.bfloat16,
+                        device="cpu", weights="packed")
+    runner = ModelRunner(loaded, EngineConfig(block_size=BLOCK_SIZE, num_blocks=512))
+    fused = runner.model.fused_decode
+    if fused is None:
+        pytest.skip("no fused decode here (needs the native kernels)")
+    assert fused.gemm_kind == "gguf"
+    library = runner.model.layers[0].mlp.down_packed.library
+    assert fused.max_rows == ql.dequantize_min_rows(library) - 1
+    _assert_fused_equals_layers(runner, [7, 20])
+    _assert_fused_equals_layers(runner, PROMPT_LENGTHS + [3, 30])
+    _assert_fused_equals_layers(runner, [1 + n % 9 for n in range(fused.max_rows + 1)],
+                                covered=False)
 
 
 def test_fused_decode_can_be_switched_off(monkeypatch):

@@ -258,3 +258,43 @@ def test_bad_shapes_are_refused_with_a_message() -> None:
         kernels.gemm(library, int(T.Q8_0), blocks, 64, torch.zeros(1, 32))
     with pytest.raises(ValueError, match="no packed kernel"):
         kernels.gemm(library, 0, blocks, 64, torch.zeros(1, 64))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_team_projection_is_the_layer_path_bit_for_bit(path: str) -> None:
+    """gguf_linear_team (what the fused decode step runs) against quantized_linear (the layer
+    path) on a projection of three parts of different types, one read through a row map, with
+    and without a bias: the same bf16 values, on the int8 kernel's row counts and the tiles'."""
+    from pagedgen.kernels.cpu.gguf import team
+    from pagedgen.model.layers import quantized_linear as ql
+
+    if not build.cpu_supports(path):
+        pytest.skip(f"this CPU cannot run the {path} path")
+    library = build.load_path(path)
+    rng = np.random.default_rng(7)
+    k, parts = 512, []
+    for kind, rows in ((T.Q4_K, 48), (T.Q6_K, 16), (T.Q8_0, 23)):
+        blocks = random_blocks(kind, rows, k, rng)
+        row_map = torch.from_numpy(rng.permutation(rows)) if kind == T.Q4_K else None
+        parts.append(ql.QuantizedPart(int(kind), blocks, row_map, rows))
+    weight = ql.QuantizedWeight(tuple(parts), k, library)
+    described = team.projection([(p.tensor_type, p.blocks, p.row_map, p.out_features)
+                                 for p in parts], k, ql.BF16_TILES_MIN_ROWS)
+    bias = torch.randn(weight.out_features).to(torch.bfloat16)
+    for m in (1, 3, ql.BF16_TILES_MIN_ROWS, 17, ql.dequantize_min_rows(library) - 1):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        for with_bias in (None, bias):
+            want = ql.quantized_linear(x, weight, with_bias)
+            assert torch.equal(team.linear(library, described, x, with_bias), want), (m, with_bias)
+
+
+def test_the_team_projection_refuses_what_it_cannot_describe() -> None:
+    from pagedgen.kernels.cpu.gguf import team
+
+    blocks = random_blocks(T.Q8_0, 4, 64, np.random.default_rng(0))
+    assert team.projection([(int(T.Q8_0), blocks, None, 4)] * (team.MAX_PARTS + 1), 64, 4) is None
+    assert team.projection([(int(T.Q8_0), blocks[:, ::2], None, 4)], 64, 4) is None
+    described = team.projection([(int(T.Q8_0), blocks, None, 4)], 64, 4)
+    with pytest.raises(ValueError, match="bias"):
+        team.linear(kernels.best(), described, torch.zeros(1, 64, dtype=torch.bfloat16),
+                    torch.zeros(5, dtype=torch.bfloat16))

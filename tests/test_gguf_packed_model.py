@@ -93,7 +93,11 @@ def test_packed_weights_are_views_of_the_mapped_file(tmp_path):
                 assert isinstance(base, np.memmap)  # the file's pages, not a copy
     assert decoder.lm_head_packed is decoder.embed_packed  # tied: the table is the head
     assert decoder.embed_weight.numel() == 0 and runner_free.attention.qkv_weight.numel() == 0
-    assert decoder.fused_decode is None  # its C step reads bf16-packed weights only
+    # the fused decode step (where the native kernels are) reads the same mapped blocks
+    fused = decoder.fused_decode
+    assert fused is None or (fused.gemm_kind == "gguf" and fused.gguf.projections[0].parts[0]
+                             .blocks == decoder.layers[0].attention.qkv_packed.parts[0]
+                             .blocks.ctypes.data)
     assert decoder.gguf_packed.stored_bytes > 0
 
 

@@ -1,6 +1,7 @@
 """The typed table of the native library's functions (kernels/cpu/bindings.py) and the ctypes
-mirrors of decode_step.c's structs (kernels/cpu/decode_step_structs.py) against the C itself:
-the same parameters and fields, by name, type and order."""
+mirrors of decode_step.c's structs (kernels/cpu/decode_step_structs.py) and of the GGUF
+projection it reads (kernels/cpu/gguf/team.py) against the C itself: the same parameters and
+fields, by name, type and order."""
 from __future__ import annotations
 
 import ctypes
@@ -10,15 +11,23 @@ from pathlib import Path
 import pytest
 
 from pagedgen.kernels.cpu import bindings, decode_step_structs, native
+from pagedgen.kernels.cpu.gguf import team as gguf_team
 
 C_FOLDER = Path(native.__file__).parent
 _CTYPE_OF = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float,
-             "int32_t": ctypes.c_int32}
+             "int32_t": ctypes.c_int32,
+             "GgufLinearTeam": ctypes.c_void_p,  # decode_step.c's function pointer type
+             "GgufPart": gguf_team.GgufPart}
 
 
 def _c_source() -> str:
-    text = "\n".join(path.read_text() for path in sorted(C_FOLDER.glob("*.c")))
+    paths = sorted(C_FOLDER.glob("*.c")) + sorted(C_FOLDER.glob("gguf/*.c"))
+    text = "\n".join(path.read_text() for path in paths)
     return re.sub(r"/\*.*?\*/", "", text, flags=re.S)  # comments may hold commas and ';'
+
+
+def _c_define(name: str) -> int:
+    return int(re.search(rf"^#define\s+{name}\s+(\d+)", _c_source(), re.M).group(1))
 
 
 def _declarators(declaration: str) -> list[tuple[str, type]]:
@@ -29,7 +38,11 @@ def _declarators(declaration: str) -> list[tuple[str, type]]:
     found = []
     for item in [" ".join(words[words.index(c_type) + 1:])] + rest:
         pointer, name = "*" in item, item.replace("*", "").strip()
-        found.append((name, ctypes.c_void_p if pointer else _CTYPE_OF[c_type]))
+        kind = ctypes.c_void_p if pointer else _CTYPE_OF[c_type]
+        array = re.fullmatch(r"(\w+)\s*\[\s*(\w+)\s*\]", name)  # 'parts[GGUF_MAX_PARTS]'
+        if array:
+            name, kind = array.group(1), kind * _c_define(array.group(2))
+        found.append((name, kind))
     return found
 
 
@@ -59,9 +72,14 @@ def _c_struct(name: str) -> list[tuple[str, type]]:
 @pytest.mark.parametrize("struct", [decode_step_structs.DecodeLayerWeights,
                                     decode_step_structs.DecodeKVGroup,
                                     decode_step_structs.DecodeModelShape,
-                                    decode_step_structs.DecodeStepBuffers])
+                                    decode_step_structs.DecodeStepBuffers,
+                                    gguf_team.GgufPart, gguf_team.GgufProjection])
 def test_struct_mirrors_match_decode_step_c(struct):
-    assert list(struct._fields_) == _c_struct(struct.__name__)
+    def comparable(fields):  # ctypes makes a new class per array type: compare what it holds
+        return [(name, (kind._type_, kind._length_) if issubclass(kind, ctypes.Array) else kind)
+                for name, kind in fields]
+
+    assert comparable(struct._fields_) == comparable(_c_struct(struct.__name__))
 
 
 def test_the_library_is_bound_from_the_table():

@@ -28,20 +28,33 @@ typedef struct {
     /* Gemma's sandwich norms of the attention and MLP outputs ([hidden]), or NULL: none */
     const uint16_t *attention_out_norm, *mlp_out_norm;
     const uint16_t *qk_norm; /* [q_heads + kv_heads, head_dim]: per-head q/k norm, or NULL */
-    /* amx_pack_weight layouts (gemm_common.h); the biases are [out] or NULL */
-    const uint16_t *qkv, *qkv_bias, *o, *o_bias, *gate_up, *down;
+    /* The projections: amx_pack_weight layouts (gemm_common.h), or for GEMM_GGUF each a
+     * GgufProjection (kernels/cpu/gguf/gguf_gemm.c: GGUF blocks as stored); the biases are
+     * [out] or NULL */
+    const void *qkv;
+    const uint16_t *qkv_bias;
+    const void *o;
+    const uint16_t *o_bias;
+    const void *gate_up, *down;
 } DecodeLayerWeights;
+
+/* kernels/cpu/gguf's gguf_linear_team, from whichever of its libraries the model loaded: that
+ * library is built apart (one per kernel path), so the step gets the function's address. */
+typedef void (*GgufLinearTeam)(const void *projection, const uint16_t *x, int64_t x_stride,
+                               const uint16_t *bias, uint16_t *out, int64_t m_rows, float *y,
+                               void *acts, int *failed);
 
 typedef struct {
     int64_t hidden, intermediate;
     int num_q_heads, num_kv_heads, head_dim, block_size;
     float rms_norm_eps, scale;
-    int gemm_kind;  /* GEMM_AMX or GEMM_AVX512: the kernel the layer-by-layer path uses */
+    int gemm_kind;  /* GEMM_AMX, GEMM_AVX512 or GEMM_GGUF: the layer-by-layer path's kernel */
     int norm_style; /* NORM_LLAMA or NORM_GEMMA (ArchitectureStyle.norm) */
     int activation; /* ACT_SILU or ACT_GELU_TANH (ModelConfig.hidden_act) */
+    GgufLinearTeam gguf_linear; /* GEMM_GGUF only, else NULL */
 } DecodeModelShape;
 
-enum { GEMM_AMX = 0, GEMM_AVX512 = 1 };
+enum { GEMM_AMX = 0, GEMM_AVX512 = 1, GEMM_GGUF = 2 };
 enum { NORM_LLAMA = 0, NORM_GEMMA = 1 };
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
@@ -88,6 +101,10 @@ typedef struct {
     /* [layers]: each layer's sliding window (0: full attention), or NULL: none has one. The
      * kernel skips blocks before a layer's window (a sliding group's released entries). */
     const int32_t *layer_windows;
+    /* GEMM_GGUF's shared scratch: float32 [T, widest projection] and the quantized
+     * activations (gguf_linear_scratch_bytes of T rows of the widest K); else NULL */
+    float *gguf_out;
+    void *gguf_acts;
 } DecodeStepBuffers;
 
 /* Where one layer reads and writes: its group's metadata, its slice of the pool, its window
@@ -122,16 +139,21 @@ static LayerPlace place_layer(const DecodeModelShape *s, const DecodeStepBuffers
 }
 
 /* out[T, n] = x[T, k] . W^T (+ bias) on this step's kernel, by the whole team. */
-static void linear_team(const DecodeModelShape *s, const uint16_t *x, int64_t x_stride,
-                        const uint16_t *packed, const uint16_t *bias, uint16_t *out, int64_t m,
-                        int64_t n, int64_t k) {
-    if (s->gemm_kind == GEMM_AVX512)
+static void linear_team(const DecodeModelShape *s, const DecodeStepBuffers *b, const uint16_t *x,
+                        int64_t x_stride, const void *packed, const uint16_t *bias,
+                        uint16_t *out, int64_t m, int64_t n, int64_t k, int *failed) {
+    if (s->gemm_kind == GEMM_GGUF)
+        s->gguf_linear(packed, x, x_stride, bias, out, m, b->gguf_out, b->gguf_acts, failed);
+    else if (s->gemm_kind == GEMM_AVX512)
         avx512_linear_team(x, x_stride, packed, bias, out, m, n, k);
     else
         amx_linear_team(x, x_stride, packed, bias, out, m, n, k);
 }
 
-static int linear_supported(const DecodeModelShape *s, int64_t m, int64_t n, int64_t k) {
+/* GEMM_GGUF: the caller sized the scratch and checked the projections' shapes. */
+static int linear_supported(const DecodeModelShape *s, const DecodeStepBuffers *b, int64_t m,
+                            int64_t n, int64_t k) {
+    if (s->gemm_kind == GEMM_GGUF) return s->gguf_linear && b->gguf_out && b->gguf_acts;
     if (s->gemm_kind == GEMM_AVX512) return avx512_linear_supported(m, n, k);
     return s->gemm_kind == GEMM_AMX && amx_linear_supported(m, n, k);
 }
@@ -188,7 +210,8 @@ static void attention_team(const DecodeLayerWeights *w, const DecodeModelShape *
     const int64_t T = b->tokens, H = s->hidden, D = s->head_dim;
     const int64_t q_size = s->num_q_heads * D, kv_size = s->num_kv_heads * D;
     const int64_t qk_heads = s->num_q_heads + s->num_kv_heads;
-    linear_team(s, b->normed, H, w->qkv, w->qkv_bias, b->qkv, T, q_size + 2 * kv_size, H);
+    linear_team(s, b, b->normed, H, w->qkv, w->qkv_bias, b->qkv, T, q_size + 2 * kv_size, H,
+                failed);
     rotate_qk(w, s, b, place->cos_sin);
     store_new_kv(s, b, place);
     const DecodeKVGroup *g = place->group;
@@ -198,21 +221,21 @@ static void attention_team(const DecodeLayerWeights *w, const DecodeModelShape *
         s->block_size, 1, s->scale, place->k_scales, place->v_scales, b->kv_codes,
         place->window};
     decode_attention_team(&attention, failed);
-    linear_team(s, b->attended, q_size, w->o, w->o_bias, b->attn_out, T, H, q_size);
+    linear_team(s, b, b->attended, q_size, w->o, w->o_bias, b->attn_out, T, H, q_size, failed);
 }
 
 /* normed -> the layer's MLP output in mlp_out (after its sandwich norm where it has one; the
  * raw output then goes to attn_out, free by now). */
 static void mlp_team(const DecodeLayerWeights *w, const DecodeModelShape *s,
-                     const DecodeStepBuffers *b) {
+                     const DecodeStepBuffers *b, int *failed) {
     const int64_t T = b->tokens, H = s->hidden, I = s->intermediate;
-    linear_team(s, b->normed, H, w->gate_up, NULL, b->gate_up, T, 2 * I, H);
+    linear_team(s, b, b->normed, H, w->gate_up, NULL, b->gate_up, T, 2 * I, H, failed);
     if (s->activation == ACT_GELU_TANH)
         gelu_tanh_mul_team(b->gate_up, b->activated, T, I);
     else
         silu_mul_team(b->gate_up, b->activated, T, I);
     uint16_t *down = w->mlp_out_norm ? b->attn_out : b->mlp_out;
-    linear_team(s, b->activated, I, w->down, NULL, down, T, H, I);
+    linear_team(s, b, b->activated, I, w->down, NULL, down, T, H, I, failed);
     if (w->mlp_out_norm) norm_team(s, down, NULL, w->mlp_out_norm, b->mlp_out, T);
 }
 
@@ -229,7 +252,7 @@ static void decoder_layer_team(const DecodeLayerWeights *w, const DecodeModelSha
         attended = b->attn_normed;
     }
     norm_team(s, b->residual, attended, w->post_attention_norm, b->normed, T);
-    mlp_team(w, s, b);
+    mlp_team(w, s, b, failed);
 }
 
 /* Each layer's group, position, RoPE table and window within what the buffers hold. */
@@ -272,9 +295,9 @@ static int step_supported(const DecodeLayerWeights *layers, int num_layers,
         || (s->activation != ACT_SILU && s->activation != ACT_GELU_TANH))
         return 0;
     if (!groups_supported(s, b) || !layers_supported(layers, num_layers, s, b)) return 0;
-    return linear_supported(s, T, q_size + 2 * kv_size, H) &&
-           linear_supported(s, T, H, q_size) && linear_supported(s, T, 2 * I, H) &&
-           linear_supported(s, T, H, I);
+    return linear_supported(s, b, T, q_size + 2 * kv_size, H) &&
+           linear_supported(s, b, T, H, q_size) && linear_supported(s, b, T, 2 * I, H) &&
+           linear_supported(s, b, T, H, I);
 }
 
 /* Returns 0 when done, 1 when the shapes are not supported (nothing was touched: run the

@@ -7,7 +7,7 @@ import ctypes
 
 _ptr = ctypes.c_void_p
 
-GEMM_KINDS = {"amx": 0, "avx512": 1}  # decode_step.c's GEMM_AMX, GEMM_AVX512
+GEMM_KINDS = {"amx": 0, "avx512": 1, "gguf": 2}  # decode_step.c's GEMM_AMX, _AVX512, _GGUF
 NORM_STYLES = {"llama": 0, "gemma": 1}  # NORM_LLAMA, NORM_GEMMA (ArchitectureStyle.norm)
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # ACT_SILU, ACT_GELU_TANH (hidden_act)
 
@@ -28,7 +28,7 @@ class DecodeModelShape(ctypes.Structure):
                 ("head_dim", ctypes.c_int), ("block_size", ctypes.c_int),
                 ("rms_norm_eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("gemm_kind", ctypes.c_int), ("norm_style", ctypes.c_int),
-                ("activation", ctypes.c_int)]
+                ("activation", ctypes.c_int), ("gguf_linear", _ptr)]
 
 
 class DecodeKVGroup(ctypes.Structure):
@@ -42,4 +42,5 @@ class DecodeStepBuffers(ctypes.Structure):
                 ("kv_cache", _ptr), ("kv_positions", ctypes.c_int64),
                 ("num_slots", ctypes.c_int64), ("groups", _ptr), ("num_groups", ctypes.c_int),
                 ("layer_slots", _ptr)] + [(name, _ptr) for name in SCRATCH] + [
-                ("kv_scales", _ptr), ("kv_codes", ctypes.c_int), ("layer_windows", _ptr)]
+                ("kv_scales", _ptr), ("kv_codes", ctypes.c_int), ("layer_windows", _ptr),
+                ("gguf_out", _ptr), ("gguf_acts", _ptr)]

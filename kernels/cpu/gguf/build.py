@@ -83,6 +83,10 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.gguf_decodes_in_registers.argtypes = []
     library.gguf_decodes_in_registers.restype = ctypes.c_int
     library.gguf_has_bf16_tiles.argtypes, library.gguf_has_bf16_tiles.restype = [], ctypes.c_int
+    library.gguf_linear_scratch_bytes.argtypes = [_I64, _I64]
+    library.gguf_linear_scratch_bytes.restype = ctypes.c_int64
+    library.gguf_linear_team.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR]
+    library.gguf_linear_team.restype = None
     return library
 
 

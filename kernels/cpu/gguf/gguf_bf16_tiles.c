@@ -126,42 +126,50 @@ static void rows_through_tile(int whole_tile_in_l1, const uint16_t *tile, const 
     }
 }
 
-/* gguf_gemm's contract, for bf16 x: output columns in tiles of BF16_TILE_ROWS weight rows,
- * split between the threads; each tile decoded once and run against all m_rows activation
- * rows. */
+/* y's n_rows columns for bf16 x, in tiles of BF16_TILE_ROWS weight rows shared out among the
+ * team (every thread of the region calls it; it ends in a barrier), each tile decoded once and
+ * run against all m_rows activation rows. Returns 0 where this thread could not allocate its
+ * tile (its tiles are skipped). */
+static int bf16_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
+                           int64_t n_rows, int64_t k, const uint16_t *x, int64_t x_stride,
+                           int64_t m_rows, float *y, int64_t y_stride) {
+    /* rows_through_tile's order (each measured 1.1-1.4x slower on the other's shapes: K = 576
+     * and 640 against 2048). */
+    const int whole_tile_in_l1 = BF16_TILE_ROWS * k * (int64_t)sizeof(uint16_t) <= TILE_L1_BYTES;
+    uint16_t *tile = aligned_alloc(64, sizeof(uint16_t) * (size_t)(BF16_TILE_ROWS * k + 32));
+    const int ok = tile != NULL;
+#pragma omp for schedule(static)
+    for (int64_t first = 0; first < n_rows; first += BF16_TILE_ROWS) {
+        if (!ok) continue;
+        int rows = (int)(n_rows - first < BF16_TILE_ROWS ? n_rows - first : BF16_TILE_ROWS);
+        for (int r = 0; r < BF16_TILE_ROWS; r++) {  /* the last row stands in for missing ones */
+            decode_row_values(type, weight_row(w, row_bytes, row_map,
+                                               first + (r < rows ? r : rows - 1)),
+                              k, tile + r * k, 1);
+            if (first + BF16_TILE_ROWS + r < n_rows) {  /* the next tile's row, into L2 */
+                const char *next = (const char *)weight_row(w, row_bytes, row_map,
+                                                            first + BF16_TILE_ROWS + r);
+                for (int64_t line = 0; line < row_bytes; line += 64)
+                    _mm_prefetch(next + line, _MM_HINT_T1);
+            }
+        }
+        rows_through_tile(whole_tile_in_l1, tile, x, x_stride, m_rows, k, rows, y + first,
+                          y_stride);
+    }
+    free(tile);
+    return ok;
+}
+
+/* gguf_gemm's contract, for bf16 x. */
 static int gemm_bf16_tiles(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
                            int64_t n_rows, int64_t k, const uint16_t *x, int64_t x_stride,
                            int64_t m_rows, float *y, int64_t y_stride, int threads) {
     int status = 0;
-    /* rows_through_tile's order (each measured 1.1-1.4x slower on the other's shapes: K = 576
-     * and 640 against 2048). */
-    const int whole_tile_in_l1 = BF16_TILE_ROWS * k * (int64_t)sizeof(uint16_t) <= TILE_L1_BYTES;
 #pragma omp parallel num_threads(threads)
-    {
-        uint16_t *tile = aligned_alloc(64, sizeof(uint16_t) * (size_t)(BF16_TILE_ROWS * k + 32));
-        if (!tile) {
+    if (!bf16_tiles_team(type, w, row_bytes, row_map, n_rows, k, x, x_stride, m_rows, y,
+                         y_stride)) {
 #pragma omp atomic write
-            status = 2;
-        }
-#pragma omp for schedule(static)
-        for (int64_t first = 0; first < n_rows; first += BF16_TILE_ROWS) {
-            if (!tile) continue;
-            int rows = (int)(n_rows - first < BF16_TILE_ROWS ? n_rows - first : BF16_TILE_ROWS);
-            for (int r = 0; r < BF16_TILE_ROWS; r++) {  /* the last row stands in for missing ones */
-                decode_row_values(type, weight_row(w, row_bytes, row_map,
-                                                   first + (r < rows ? r : rows - 1)),
-                                  k, tile + r * k, 1);
-                if (first + BF16_TILE_ROWS + r < n_rows) {  /* the next tile's row, into L2 */
-                    const char *next = (const char *)weight_row(w, row_bytes, row_map,
-                                                                first + BF16_TILE_ROWS + r);
-                    for (int64_t line = 0; line < row_bytes; line += 64)
-                        _mm_prefetch(next + line, _MM_HINT_T1);
-                }
-            }
-            rows_through_tile(whole_tile_in_l1, tile, x, x_stride, m_rows, k, rows, y + first,
-                              y_stride);
-        }
-        free(tile);
+        status = 2;
     }
     return status;
 }

@@ -103,8 +103,6 @@ static int block_bytes(int type) {
     }
 }
 
-#if !IN_REGISTERS  /* the tile path: the portable library */
-
 static uint16_t float_to_bf16(float value) {  /* round to nearest even, as torch does */
     uint32_t bits;
     memcpy(&bits, &value, 4);
@@ -118,6 +116,8 @@ static float bf16_to_float(uint16_t h) {
     memcpy(&out, &bits, 4);
     return out;
 }
+
+#if !IN_REGISTERS  /* the tile path: the portable library */
 
 /* ---- weight blocks -> codes, per-16 scales and offsets ------------------------------------ */
 
@@ -304,6 +304,61 @@ static int alloc_row(UnpackedRow *row, int64_t k) {
 }
 
 static void free_row(UnpackedRow *row) { free(row->codes); free(row->scale); free(row->offset); }
+
+typedef struct {  /* quantize_row's arrays for a run of rows */
+    int8_t *q;      /* M x 2K */
+    float *scales;  /* M x K/32 */
+    float *sums;    /* M x K/16 */
+} Activations;
+
+static int64_t activation_bytes(int64_t m_rows, int64_t k) {
+    return 2 * m_rows * k + m_rows * (k / 32) * 4 + m_rows * (k / 16) * 4 + 3 * 64;
+}
+
+static Activations activations_at(void *scratch, int64_t m_rows, int64_t k) {
+    uintptr_t at = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
+    Activations a;
+    a.q = (int8_t *)at;
+    at = (at + (uintptr_t)(2 * m_rows * k) + 63) & ~(uintptr_t)63;
+    a.scales = (float *)at;
+    at = (at + (uintptr_t)(m_rows * (k / 32) * 4) + 63) & ~(uintptr_t)63;
+    a.sums = (float *)at;
+    return a;
+}
+
+/* Team functions (team_ops.h's convention: every thread of the region calls them, the work is
+ * shared out inside, they end in a barrier), as gguf_registers.c has them. */
+static void quantize_rows_team(const void *x, int x_bf16, int64_t x_stride, int64_t m_rows,
+                               int64_t k, const Activations *a) {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < m_rows; m++)
+        quantize_row(x, x_bf16, m * x_stride, k, a->q + 2 * m * k, a->scales + m * (k / 32),
+                     a->sums + m * (k / 16));
+}
+
+/* 0 where this thread could not allocate its tile (its tiles are skipped). */
+static int products_team(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
+                         int64_t n_rows, int64_t k, const Activations *a, int64_t m_rows,
+                         float *y, int64_t y_stride) {
+    UnpackedRow tile[TILE_ROWS];
+    int ok = 1;
+    for (int r = 0; r < TILE_ROWS; r++) ok &= alloc_row(&tile[r], k);
+    const int signed_codes = type == T_Q8_0;
+#pragma omp for schedule(static)
+    for (int64_t first = 0; first < n_rows; first += TILE_ROWS) {
+        if (!ok) continue;
+        int rows = (int)(n_rows - first < TILE_ROWS ? n_rows - first : TILE_ROWS);
+        for (int r = 0; r < rows; r++)
+            unpack_row(type, weight_row(w, row_bytes, row_map, first + r), k, &tile[r]);
+        for (int64_t m = 0; m < m_rows; m++)
+            for (int r = 0; r < rows; r++)
+                y[m * y_stride + first + r] = dot_row(&tile[r], a->q + 2 * m * k,
+                                                      a->scales + m * (k / 32),
+                                                      a->sums + m * (k / 16), k, signed_codes);
+    }
+    for (int r = 0; r < TILE_ROWS; r++) free_row(&tile[r]);
+    return ok;
+}
 #endif
 
 #if IN_REGISTERS
@@ -320,6 +375,26 @@ int gguf_has_bf16_tiles(void) {
 #else
     return 0;
 #endif
+}
+
+/* gguf_gemm's int8 route: x's rows quantized once (quantize_rows_team), then the products. */
+static int gemm_quantized(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
+                          int64_t n_rows, int64_t k, const void *x, int x_bf16, int64_t x_stride,
+                          int64_t m_rows, float *y, int64_t y_stride, int threads) {
+    void *scratch = malloc((size_t)activation_bytes(m_rows, k));
+    if (!scratch) return 2;
+    Activations a = activations_at(scratch, m_rows, k);
+    int status = 0;
+#pragma omp parallel num_threads(threads)
+    {  /* one region: quantize x, then (after the barrier) the products */
+        quantize_rows_team(x, x_bf16, x_stride, m_rows, k, &a);
+        if (!products_team(type, w, row_bytes, row_map, n_rows, k, &a, m_rows, y, y_stride)) {
+#pragma omp atomic write
+            status = 2;
+        }
+    }
+    free(scratch);
+    return status;
 }
 
 /* y[m, n] (float32, row stride y_stride) = sum_k x[m, k] * W[row_map[n] or n, k].
@@ -341,47 +416,8 @@ int gguf_gemm(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_
 #else
     (void)bf16_from_rows;
 #endif
-#if IN_REGISTERS
-    return gemm_in_registers(type, w, row_bytes, row_map, n_rows, k, x, x_bf16, x_stride, m_rows,
-                             y, y_stride, threads);
-#else
-    int8_t *q = malloc((size_t)(2 * m_rows * k));
-    float *scales = malloc(sizeof(float) * (size_t)(m_rows * (k / 32)));
-    float *sums = malloc(sizeof(float) * (size_t)(m_rows * (k / 16)));
-    int status = (q && scales && sums) ? 0 : 2;
-    int signed_codes = type == T_Q8_0;
-    if (status == 0) {
-#pragma omp parallel num_threads(threads)
-        {  /* one region: quantize x, then (after the implicit barrier) the tiles */
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < m_rows; m++)
-                quantize_row(x, x_bf16, m * x_stride, k, q + 2 * m * k, scales + m * (k / 32),
-                             sums + m * (k / 16));
-            UnpackedRow tile[TILE_ROWS];
-            int ok = 1;
-            for (int r = 0; r < TILE_ROWS; r++) ok &= alloc_row(&tile[r], k);
-            if (!ok) {
-#pragma omp atomic write
-                status = 2;
-            }
-#pragma omp for schedule(static)
-            for (int64_t first = 0; first < n_rows; first += TILE_ROWS) {
-                if (!ok) continue;
-                int rows = (int)(n_rows - first < TILE_ROWS ? n_rows - first : TILE_ROWS);
-                for (int r = 0; r < rows; r++)
-                    unpack_row(type, weight_row(w, row_bytes, row_map, first + r), k, &tile[r]);
-                for (int64_t m = 0; m < m_rows; m++)
-                    for (int r = 0; r < rows; r++)
-                        y[m * y_stride + first + r] = dot_row(&tile[r], q + 2 * m * k,
-                                                              scales + m * (k / 32),
-                                                              sums + m * (k / 16), k, signed_codes);
-            }
-            for (int r = 0; r < TILE_ROWS; r++) free_row(&tile[r]);
-        }
-    }
-    free(q); free(scales); free(sums);
-    return status;
-#endif
+    return gemm_quantized(type, w, row_bytes, row_map, n_rows, k, x, x_bf16, x_stride, m_rows, y,
+                          y_stride, threads);
 }
 
 #if !IN_REGISTERS
@@ -440,4 +476,77 @@ int gguf_dequantize_rows(int type, const uint8_t *w, int64_t row_bytes, const in
     }
     return status;
 #endif
+}
+
+/* ---- a whole projection inside the caller's parallel region: the fused decode step ---------- */
+
+/* A run of output columns: the rows of one GGUF tensor (a projection's q, k or v, its gate or
+ * up, or all of it). Mirrored in kernels/cpu/gguf/team.py. */
+typedef struct {
+    const uint8_t *blocks;
+    const int64_t *row_map;  /* [rows]: the tensor row of each output column, or NULL */
+    int64_t row_bytes, rows;
+    int type;
+} GgufPart;
+
+#define GGUF_MAX_PARTS 3  /* q, k and v */
+
+typedef struct {
+    GgufPart parts[GGUF_MAX_PARTS];
+    int num_parts;
+    int64_t k;
+    int64_t bf16_from_rows;  /* as gguf_gemm's */
+} GgufProjection;
+
+/* Bytes of the shared activation scratch gguf_linear_team needs for m_rows rows of k values. */
+int64_t gguf_linear_scratch_bytes(int64_t m_rows, int64_t k) { return activation_bytes(m_rows, k); }
+
+/* out[m, N] (bf16) = x[m, K] (bf16) . W^T + bias (bf16 [N] or NULL), W the projection's parts
+ * side by side. This is what quantized_linear computes part by part through gguf_gemm: the
+ * same kernels (each output column is computed by one thread, whatever the team's size), then
+ * the float32 sum plus the bias rounded to nearest even once, as torch rounds; so the fused
+ * decode step is bit-identical to the layer path. x's rows are quantized once for all parts.
+ * A team function (team_ops.h): every thread of the caller's region calls it, and it ends in
+ * a barrier. y: float32 [m, N] and acts: gguf_linear_scratch_bytes(m, K) bytes, shared;
+ * *failed is set when a thread could not allocate its scratch. */
+void gguf_linear_team(const GgufProjection *p, const uint16_t *x, int64_t x_stride,
+                      const uint16_t *bias, uint16_t *out, int64_t m_rows, float *y, void *acts,
+                      int *failed) {
+    int64_t n = 0;
+    for (int i = 0; i < p->num_parts; i++) n += p->parts[i].rows;
+#if defined(__AVX512BF16__)
+    const int tiles = p->bf16_from_rows > 0 && m_rows >= p->bf16_from_rows;
+#else
+    const int tiles = 0;
+#endif
+    Activations a = activations_at(acts, m_rows, p->k);
+    if (!tiles) quantize_rows_team(x, 1, x_stride, m_rows, p->k, &a);
+    int ok = 1;
+    int64_t column = 0;
+    for (int i = 0; i < p->num_parts; i++) {
+        const GgufPart *part = &p->parts[i];
+#if defined(__AVX512BF16__)
+        if (tiles)
+            ok &= bf16_tiles_team(part->type, part->blocks, part->row_bytes, part->row_map,
+                                  part->rows, p->k, x, x_stride, m_rows, y + column, n);
+        else
+#endif
+            ok &= products_team(part->type, part->blocks, part->row_bytes, part->row_map,
+                                part->rows, p->k, &a, m_rows, y + column, n);
+        column += part->rows;
+    }
+    if (!ok) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    const int64_t span = 256;  /* columns per piece of the rounding, shared out */
+#pragma omp for schedule(static)
+    for (int64_t first = 0; first < n; first += span) {
+        const int64_t last = first + span < n ? first + span : n;
+        for (int64_t m = 0; m < m_rows; m++)
+            for (int64_t j = first; j < last; j++) {
+                const float value = y[m * n + j];
+                out[m * n + j] = float_to_bf16(bias ? value + bf16_to_float(bias[j]) : value);
+            }
+    }
 }

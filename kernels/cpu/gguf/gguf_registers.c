@@ -239,41 +239,52 @@ static WideRows rows_from(const WideRows *a, int64_t m0, int64_t k) {
     return view;
 }
 
-/* gguf_gemm's contract (gguf_gemm.c). */
-static int gemm_in_registers(int type, const uint8_t *w, int64_t row_bytes,
-                             const int64_t *row_map, int64_t n_rows, int64_t k, const void *x,
-                             int x_bf16, int64_t x_stride, int64_t m_rows, float *y,
-                             int64_t y_stride, int threads) {
-    int64_t blocks = k / 32, chunk = chunk_rows(k);
-    WideRows a;
-    a.value = malloc(sizeof(int16_t) * (size_t)(m_rows * k));
-    a.step = malloc(sizeof(float) * (size_t)(m_rows * blocks));
-    a.sum = malloc(sizeof(float) * (size_t)(m_rows * blocks));
-    int status = (a.value && a.step && a.sum) ? 0 : 2;
-    if (status == 0) {
-#pragma omp parallel num_threads(threads)
-        {  /* one region: quantize x, then (after the implicit barrier) the column groups */
+/* The activation rows' two codes in a (its arrays hold m_rows rows), the rows shared out
+ * among the team (team_ops.h's convention: every thread of the region calls it; it ends in a
+ * barrier). */
+static void quantize_rows_team(const void *x, int x_bf16, int64_t x_stride, int64_t m_rows,
+                               int64_t k, const WideRows *a) {
+    int64_t blocks = k / 32;
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < m_rows; m++)
-                quantize_wide_row(x, x_bf16, m * x_stride, k, a.value + m * k, a.step + m * blocks,
-                                  a.sum + m * blocks);
-            float *factor = malloc(sizeof(float) * (size_t)(ROW_GROUP * ROW_BATCH * blocks));
-            int ok = factor != NULL;
-            if (!ok) {
-#pragma omp atomic write
-                status = 2;
-            }
-            for (int64_t m0 = 0; m0 < m_rows; m0 += chunk) {
-                int64_t rows = m_rows - m0 < chunk ? m_rows - m0 : chunk;
-                WideRows part = rows_from(&a, m0, k);
+    for (int64_t m = 0; m < m_rows; m++)
+        quantize_wide_row(x, x_bf16, m * x_stride, k, a->value + m * k, a->step + m * blocks,
+                          a->sum + m * blocks);
+}
+
+/* y's n_rows columns from quantized activation rows, the column groups shared out among the
+ * team. Returns 0 where this thread could not allocate its scratch (its groups are skipped). */
+static int products_team(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
+                         int64_t n_rows, int64_t k, const WideRows *a, int64_t m_rows, float *y,
+                         int64_t y_stride) {
+    int64_t chunk = chunk_rows(k);
+    float *factor = malloc(sizeof(float) * (size_t)(ROW_GROUP * ROW_BATCH * (k / 32)));
+    const int ok = factor != NULL;
+    for (int64_t m0 = 0; m0 < m_rows; m0 += chunk) {
+        int64_t rows = m_rows - m0 < chunk ? m_rows - m0 : chunk;
+        WideRows part = rows_from(a, m0, k);
 #pragma omp for schedule(static)
-                for (int64_t first = 0; first < n_rows; first += ROW_GROUP)
-                    if (ok) column_group(type, w, row_bytes, row_map, n_rows, first, k, &part, rows,
-                                        y + m0 * y_stride, y_stride, factor);
-            }
-            free(factor);
-        }
+        for (int64_t first = 0; first < n_rows; first += ROW_GROUP)
+            if (ok) column_group(type, w, row_bytes, row_map, n_rows, first, k, &part, rows,
+                                y + m0 * y_stride, y_stride, factor);
     }
-    free(a.value); free(a.step); free(a.sum);
-    return status;
+    free(factor);
+    return ok;
+}
+
+typedef WideRows Activations;  /* gguf_gemm.c's name for either library's quantized rows */
+
+/* Bytes of activation scratch for m_rows rows of K values (WideRows, each array 64-aligned). */
+static int64_t activation_bytes(int64_t m_rows, int64_t k) {
+    return m_rows * k * 2 + 2 * m_rows * (k / 32) * 4 + 3 * 64;
+}
+
+static Activations activations_at(void *scratch, int64_t m_rows, int64_t k) {
+    uintptr_t at = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
+    Activations a;
+    a.value = (int16_t *)at;
+    at = (at + (uintptr_t)(m_rows * k * 2) + 63) & ~(uintptr_t)63;
+    a.step = (float *)at;
+    at = (at + (uintptr_t)(m_rows * (k / 32) * 4) + 63) & ~(uintptr_t)63;
+    a.sum = (float *)at;
+    return a;
 }

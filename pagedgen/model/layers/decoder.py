@@ -5,8 +5,8 @@ No padding and no batch dimension: hidden states are [T, hidden] for all tokens 
 sequences of the step; which token belongs to which sequence is in StepMetadata.
 What differs between families is data (ModelConfig.style, layer_types, rope_of): the norm
 style, Gemma's sandwich norms and scaled embeddings, each layer's window and RoPE.
-On CPU in bfloat16, with the weights packed for our GEMMs, a pure decode step runs every
-layer in one native call (fused_decode.py): the Llama family (not Qwen3) and Gemma 3, on a
+On CPU in bfloat16, with the weights packed for our GEMMs or GGUF blocks kept as stored, a
+pure decode step runs every layer in one native call (fused_decode.py): the Llama family (not Qwen3) and Gemma 3, on a
 one-group or a hybrid KV pool.
 """
 from __future__ import annotations
@@ -83,11 +83,11 @@ class Decoder(nn.Module):
         and no fused decode step (its kernels' shapes follow the batch)."""
         if self.gguf_packed is not None:
             self.gguf_packed.install(self, batch_invariant)
-            return
-        for layer in self.layers:
-            layer.attention.pack_weights(row_tiled=batch_invariant)
-            layer.mlp.pack_weights(row_tiled=batch_invariant)
-        self.lm_head_packed = pack_weight(self.lm_head_weight, row_tiled=batch_invariant)
+        else:
+            for layer in self.layers:
+                layer.attention.pack_weights(row_tiled=batch_invariant)
+                layer.mlp.pack_weights(row_tiled=batch_invariant)
+            self.lm_head_packed = pack_weight(self.lm_head_weight, row_tiled=batch_invariant)
         windows = [layer.attention.window for layer in self.layers]
         self.fused_decode = None if batch_invariant else FusedDecode.build(
             self.config, self.layers, windows if any(windows) else None)

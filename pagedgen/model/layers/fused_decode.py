@@ -1,5 +1,6 @@
 """A pure decode step's decoder layers in one native call (CPU, bfloat16, weights packed for
-our AMX or AVX-512 BF16 GEMM, a bf16 or an 8-bit KV pool, one group or a hybrid one).
+our AMX or AVX-512 BF16 GEMM or GGUF blocks as stored, a bf16 or an 8-bit KV pool, one group
+or a hybrid one).
 
 `Decoder.forward` runs its layers one module at a time; on CPU that is ten native kernels
 per layer, each opening an OpenMP region, with Python in between while the other threads wait
@@ -10,23 +11,28 @@ on every call. It covers the Llama family and Gemma 3 (offset norms, sandwich no
 norms, GeGLU, query_pre_attn_scalar, a RoPE per layer kind, sliding layers on a hybrid pool
 whose sliding groups released blocks). Anything it does not cover (prefill chunks, float32,
 Qwen3's q/k norm, weights not packed for our kernels, more rows than the layers' GEMM kernel
-takes) returns None and the model runs its layers as before.
+takes: for GGUF blocks, the rows from which quantized_linear dequantizes) returns None and the
+model runs its layers as before. On GGUF blocks each projection runs gguf_linear_team, the
+kernels quantized_linear runs for the same rows, so there too the result is bit-identical.
 PAGEDGEN_FUSED_DECODE=0 turns it off (for comparisons).
 """
 from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from pagedgen.kernels.cpu import backend as cpu_backend
+from pagedgen.kernels.cpu.gguf import team as gguf_team
 from pagedgen.kernels.cpu.decode_step_structs import (ACTIVATIONS, GEMM_KINDS, NORM_STYLES,
                                                      SCRATCH, DecodeKVGroup, DecodeLayerWeights,
                                                      DecodeModelShape, DecodeStepBuffers)
 from pagedgen.model.layers.linear import MAX_ROWS
+from pagedgen.model.layers.quantized_linear import (BF16_TILES_MIN_ROWS, QuantizedWeight,
+                                                    dequantize_min_rows)
 from pagedgen.model.layers.rope import split_rope_rows
 
 if TYPE_CHECKING:
@@ -41,10 +47,37 @@ def _address(tensor: torch.Tensor | None) -> int | None:
 
 
 @dataclass(slots=True)
+class GgufScratch:
+    """What the step needs for GGUF projections: gguf_linear_team's address, the projections'
+    descriptions (their addresses are in the layers' table) and the shared scratch, kept
+    between steps and grown to the largest step seen."""
+    library: gguf_team.GgufLibrary
+    projections: list[gguf_team.GgufProjection]
+    widest_out: int  # the widest projection's output columns
+    widest_in: int  # and the widest input
+    out: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0))
+    acts: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+
+    @property
+    def linear_address(self) -> int:
+        return gguf_team.linear_team_address(self.library)
+
+    def buffers(self, tokens: int) -> tuple[int, int]:
+        """(float32 output scratch, activation scratch) addresses for `tokens` rows."""
+        if self.out.shape[0] < tokens:
+            rows = -(-tokens // 16) * 16
+            self.out = torch.empty(rows, self.widest_out, dtype=torch.float32)
+            self.acts = torch.empty(gguf_team.scratch_bytes(self.library, rows, self.widest_in),
+                                    dtype=torch.uint8)
+        return self.out.data_ptr(), self.acts.data_ptr()
+
+
+@dataclass(slots=True)
 class FusedDecode:
     layers: ctypes.Array  # DecodeLayerWeights per layer; the tensors stay owned by the model
     row_widths: dict[str, int]  # scratch name -> elements per row
-    gemm_kind: str  # the packing of every weight: "amx" or "avx512"
+    gemm_kind: str  # the packing of every weight: "amx", "avx512" or "gguf"
+    max_rows: int  # the most rows (sequences) a step may have: the projections' kernel's limit
     # int32 [layers]: each layer's sliding window (0: full), or None: every layer attends with
     # the step plan's window. Per-layer windows need the plan's tables unshifted (window 0).
     layer_windows: torch.Tensor | None = None
@@ -55,6 +88,7 @@ class FusedDecode:
     # (the runner's layout: the same every step, so built once)
     _slots: tuple = ()
     _slots_table: torch.Tensor | None = None
+    gguf: GgufScratch | None = None  # gemm_kind "gguf" only
 
     @classmethod
     def build(cls, config: ModelConfig, decoder_layers: nn.ModuleList,
@@ -62,22 +96,28 @@ class FusedDecode:
         """The layer descriptions, or None when the model's layers are not all covered."""
         if not _covered(config) or os.environ.get("PAGEDGEN_FUSED_DECODE", "1") == "0":
             return None
-        layers, kinds = [], set()
+        layers, kinds, projections = [], set(), []
         for layer in decoder_layers:
-            described = _layer_weights(layer)
+            described = _layer_weights(layer, projections)
             if described is None:
                 return None
             layers.append(described[0])
             kinds.update(described[1])
-        if len(kinds) != 1:  # no layers, or (never seen) weights packed for different kernels
+        if len(kinds) != 1:  # no layers, or weights packed for different kernels
+            return None
+        kind = kinds.pop()
+        gguf = _gguf_scratch(config, decoder_layers, projections) if kind == "gguf" else None
+        if kind == "gguf" and gguf is None:
             return None
         windows = None if layer_windows is None else torch.tensor(layer_windows, dtype=torch.int32)
         if windows is not None and windows.numel() != len(layers):
             raise ValueError(f"layer_windows has {windows.numel()} entries for "
                              f"{len(layers)} layers")
         ropes = [layer.rope_index for layer in decoder_layers]
-        return cls((DecodeLayerWeights * len(layers))(*layers), _row_widths(config), kinds.pop(),
-                   windows, torch.tensor(ropes, dtype=torch.int32) if any(ropes) else None)
+        max_rows = dequantize_min_rows(gguf.library) - 1 if gguf else MAX_ROWS[kind]
+        return cls((DecodeLayerWeights * len(layers))(*layers), _row_widths(config), kind,
+                   max_rows, windows,
+                   torch.tensor(ropes, dtype=torch.int32) if any(ropes) else None, gguf=gguf)
 
     def run(self, config: ModelConfig, hidden: torch.Tensor, step: StepMetadata,
             kv_cache: torch.Tensor) -> torch.Tensor | None:
@@ -98,7 +138,9 @@ class FusedDecode:
                 for rope in ropes):
             return None
         scratch = self._scratch(tokens)
-        shape = _model_shape(config, kv_cache.shape[3], self.gemm_kind)
+        shape = _model_shape(config, kv_cache.shape[3], self.gemm_kind,
+                             self.gguf.linear_address if self.gguf else None)
+        gguf_buffers = self.gguf.buffers(tokens) if self.gguf else (None, None)
         rope_tables = (ctypes.c_void_p * len(ropes))(*(rope.data_ptr() for rope in ropes))
         kv_groups = (DecodeKVGroup * len(groups))(*(_kv_group(group) for group in groups))
         layer_slots = self._layer_slots(step.layer_slots)
@@ -108,7 +150,7 @@ class FusedDecode:
             kv_cache.data_ptr(), kv_cache.shape[0], kv_cache.shape[2] * kv_cache.shape[3],
             ctypes.addressof(kv_groups), len(groups), _address(layer_slots),
             *(scratch[name].data_ptr() for name in SCRATCH),
-            _address(step.kv_scales), kv_codes, windows.data_ptr())
+            _address(step.kv_scales), kv_codes, windows.data_ptr(), *gguf_buffers)
         status = cpu_backend.decode_layers_bf16(
             ctypes.addressof(self.layers), len(self.layers), ctypes.byref(shape),
             ctypes.byref(buffers), torch.get_num_threads())
@@ -120,7 +162,7 @@ class FusedDecode:
                kv_cache: torch.Tensor) -> bool:
         """The step's shape and metadata are the C step's: bf16 rows within the GEMM's limit,
         every group's step a pure decode on the native kernels, each layer placed."""
-        return (hidden.shape[0] <= MAX_ROWS[self.gemm_kind] and hidden.dtype == torch.bfloat16
+        return (hidden.shape[0] <= self.max_rows and hidden.dtype == torch.bfloat16
                 and kv_cache.is_contiguous() and hidden.is_contiguous()
                 and all(_pure_decode(group) for group in groups)
                 and len(step.layer_slots) in (0, len(self.layers)))
@@ -163,11 +205,13 @@ def _covered(config: ModelConfig) -> bool:
             and (not config.qk_norm or style.norm == "gemma"))
 
 
-def _model_shape(config: ModelConfig, block_size: int, gemm_kind: str) -> DecodeModelShape:
+def _model_shape(config: ModelConfig, block_size: int, gemm_kind: str,
+                 gguf_linear: int | None) -> DecodeModelShape:
     return DecodeModelShape(config.hidden_size, config.intermediate_size, config.num_heads,
                             config.num_kv_heads, config.head_dim, block_size,
                             config.rms_norm_eps, config.attention_scale, GEMM_KINDS[gemm_kind],
-                            NORM_STYLES[config.style.norm], ACTIVATIONS[config.hidden_act])
+                            NORM_STYLES[config.style.norm], ACTIVATIONS[config.hidden_act],
+                            gguf_linear)
 
 
 def _row_widths(config: ModelConfig) -> dict[str, int]:
@@ -181,12 +225,17 @@ def _row_widths(config: ModelConfig) -> dict[str, int]:
             "mlp_out": hidden}
 
 
-def _layer_weights(layer: nn.Module) -> tuple[DecodeLayerWeights, set[str]] | None:
+def _layer_weights(layer: nn.Module, projections: list[gguf_team.GgufProjection]
+                   ) -> tuple[DecodeLayerWeights, set[str]] | None:
     """One layer's description and its weights' packing kinds, or None where the C step
-    cannot read them (a projection not packed for our GEMMs, a norm weight not bf16)."""
+    cannot read them (a projection not packed for our GEMMs, a norm weight not bf16).
+    GGUF projections are described into `projections`, which must outlive the table."""
     attention, mlp = layer.attention, layer.mlp
     packed = (attention.qkv_packed, attention.o_packed, mlp.gate_up_packed, mlp.down_packed)
     if any(p is None or p.kind not in GEMM_KINDS for p in packed):
+        return None
+    addresses = [_projection_address(p, projections) for p in packed]
+    if None in addresses:
         return None
     norms = [None if norm is None else norm.weight for norm in (
         layer.input_norm, layer.post_attention_norm, layer.attention_out_norm,
@@ -194,11 +243,44 @@ def _layer_weights(layer: nn.Module) -> tuple[DecodeLayerWeights, set[str]] | No
     if any(w is not None and (w.dtype != torch.bfloat16 or not w.is_contiguous())
            for w in norms):
         return None
+    biases = (attention.qkv_bias, attention.o_bias)
+    if any(b is not None and (b.dtype != torch.bfloat16 or not b.is_contiguous())
+           for b in biases):
+        return None
     weights = DecodeLayerWeights(
-        *map(_address, norms), _address(packed[0].data), _address(attention.qkv_bias),
-        _address(packed[1].data), _address(attention.o_bias), _address(packed[2].data),
-        _address(packed[3].data))
+        *map(_address, norms), addresses[0], _address(biases[0]), addresses[1],
+        _address(biases[1]), addresses[2], addresses[3])
     return weights, {p.kind for p in packed}
+
+
+def _projection_address(packed, projections: list[gguf_team.GgufProjection]) -> int | None:
+    """Where the C step reads a projection: our packing's data, or a GGUF projection's
+    description (None where it cannot describe one, e.g. batch-invariant weights)."""
+    if not isinstance(packed, QuantizedWeight):
+        return packed.data.data_ptr()
+    if packed.invariant:
+        return None
+    described = gguf_team.projection(
+        [(part.tensor_type, part.blocks, part.row_map, part.out_features)
+         for part in packed.parts], packed.in_features, BF16_TILES_MIN_ROWS)
+    if described is None:
+        return None
+    projections.append(described)
+    return ctypes.addressof(described)
+
+
+def _gguf_scratch(config: ModelConfig, decoder_layers: nn.ModuleList,
+                  projections: list[gguf_team.GgufProjection]) -> GgufScratch | None:
+    """The GGUF step's state, where every projection uses one kernel library."""
+    libraries = {id(weight.library): weight.library for layer in decoder_layers
+                 for weight in (layer.attention.qkv_packed, layer.attention.o_packed,
+                                layer.mlp.gate_up_packed, layer.mlp.down_packed)}
+    if len(libraries) != 1:
+        return None
+    widths = _row_widths(config)
+    return GgufScratch(libraries.popitem()[1], projections,
+                       max(widths["qkv"], widths["gate_up"], config.hidden_size),
+                       max(config.hidden_size, widths["attended"], widths["activated"]))
 
 
 def _pure_decode(step: StepMetadata) -> bool:
