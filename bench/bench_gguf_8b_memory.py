@@ -72,15 +72,10 @@ def more_bits(layer: int, layers: int) -> bool:
     return layer < eighth or layer >= layers - eighth or (layer - eighth) % 3 == 2
 
 
-def write_file(shape: Shape) -> int:
-    """Writes the file; the bytes of its tensors."""
-    sys.path[:0] = [str(ROOT.parent / "tests")]
-    from gguf import GGMLQuantizationType as T, GGUFWriter
-    from gguf_blocks import random_blocks
-
-    rng = np.random.default_rng(0)
-    partial = shape.path.with_name(shape.path.name + ".partial")  # renamed when whole
-    writer = GGUFWriter(partial, "llama")
+def add_header(writer, shape: Shape) -> None:
+    """The shape's hyperparameters and the padded tokenizer (GGUF key-value data)."""
+    if str(ROOT.parent / "tests") not in sys.path:  # tiny_models, gguf_blocks
+        sys.path[:0] = [str(ROOT.parent / "tests")]
     for key, value in (("block_count", shape.layers), ("context_length", 8192),
                        ("embedding_length", shape.hidden), ("feed_forward_length", shape.ffn),
                        ("attention.head_count", shape.heads),
@@ -89,35 +84,49 @@ def write_file(shape: Shape) -> int:
     writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_float32("llama.rope.freq_base", 500000.0)
     _embed_padded_tokenizer(writer, shape.vocab)
-    head_dim, total = shape.hidden // shape.heads, 0
 
-    def matrix(name: str, rows: int, cols: int, kind: T) -> None:
-        nonlocal total
-        blocks = random_blocks(kind, rows, cols, rng, from_bytes=True)
-        writer.add_tensor(name, blocks, raw_dtype=kind)
-        total += blocks.nbytes
 
-    def norm(name: str) -> None:
-        nonlocal total
-        writer.add_tensor(name, np.ones(shape.hidden, dtype=np.float32))
-        total += shape.hidden * 4
-
-    matrix("token_embd.weight", shape.vocab, shape.hidden, T.Q4_K)
+def tensor_plan(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, kind) of every tensor, in file order; kind "norm", or the Q4_K_M type
+    name ("Q4_K", "Q6_K") a matrix gets from llama.cpp's quantizer."""
+    head_dim = shape.hidden // shape.heads
+    plan = [("token_embd.weight", (shape.vocab, shape.hidden), "Q4_K")]
     for layer in range(shape.layers):
         prefix = f"blk.{layer}."
-        extra = T.Q6_K if more_bits(layer, shape.layers) else T.Q4_K
-        norm(prefix + "attn_norm.weight")
-        norm(prefix + "ffn_norm.weight")
-        matrix(prefix + "attn_q.weight", shape.heads * head_dim, shape.hidden, T.Q4_K)
-        matrix(prefix + "attn_k.weight", shape.kv_heads * head_dim, shape.hidden, T.Q4_K)
-        matrix(prefix + "attn_v.weight", shape.kv_heads * head_dim, shape.hidden, extra)
-        matrix(prefix + "attn_output.weight", shape.hidden, shape.heads * head_dim, T.Q4_K)
-        matrix(prefix + "ffn_gate.weight", shape.ffn, shape.hidden, T.Q4_K)
-        matrix(prefix + "ffn_up.weight", shape.ffn, shape.hidden, T.Q4_K)
-        matrix(prefix + "ffn_down.weight", shape.hidden, shape.ffn, extra)
-    norm("output_norm.weight")
+        extra = "Q6_K" if more_bits(layer, shape.layers) else "Q4_K"
+        plan += [(prefix + "attn_norm.weight", (shape.hidden,), "norm"),
+                 (prefix + "ffn_norm.weight", (shape.hidden,), "norm"),
+                 (prefix + "attn_q.weight", (shape.heads * head_dim, shape.hidden), "Q4_K"),
+                 (prefix + "attn_k.weight", (shape.kv_heads * head_dim, shape.hidden), "Q4_K"),
+                 (prefix + "attn_v.weight", (shape.kv_heads * head_dim, shape.hidden), extra),
+                 (prefix + "attn_output.weight", (shape.hidden, shape.heads * head_dim), "Q4_K"),
+                 (prefix + "ffn_gate.weight", (shape.ffn, shape.hidden), "Q4_K"),
+                 (prefix + "ffn_up.weight", (shape.ffn, shape.hidden), "Q4_K"),
+                 (prefix + "ffn_down.weight", (shape.hidden, shape.ffn), extra)]
+    plan.append(("output_norm.weight", (shape.hidden,), "norm"))
     if not shape.tied:
-        matrix("output.weight", shape.vocab, shape.hidden, T.Q6_K)
+        plan.append(("output.weight", (shape.vocab, shape.hidden), "Q6_K"))
+    return plan
+
+
+def write_file(shape: Shape) -> int:
+    """Writes the file; the bytes of its tensors."""
+    from gguf import GGMLQuantizationType as T, GGUFWriter
+
+    rng = np.random.default_rng(0)
+    partial = shape.path.with_name(shape.path.name + ".partial")  # renamed when whole
+    writer = GGUFWriter(partial, "llama")
+    add_header(writer, shape)
+    from gguf_blocks import random_blocks  # tests/, on the path once add_header has run
+    total = 0
+    for name, dims, kind in tensor_plan(shape):
+        if kind == "norm":
+            data = np.ones(dims, dtype=np.float32)
+            writer.add_tensor(name, data)
+        else:
+            data = random_blocks(T[kind], *dims, rng, from_bytes=True)
+            writer.add_tensor(name, data, raw_dtype=T[kind])
+        total += data.nbytes
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -30,7 +30,6 @@ from llama_cpp_peer import (  # noqa: E402
     main_or_child, read_request, reply, run_child, system_info_line,
 )
 
-N_BATCH = 512     # llama.cpp's prompt batch (its default n_batch)
 WARM_UP = 4       # requests of the untimed first run (both engines)
 
 
@@ -65,63 +64,13 @@ def pagedgen_run(path: Path, weights: str, threads: int, prompts: list[list[int]
 
 def llama_child() -> None:
     """In llama-cpp-python's interpreter: no torch, no pagedgen."""
-    import llama_cpp
-    import numpy as np
+    from llama_cpp_batch import LlamaBatch
 
     request = read_request()
     prompts, max_tokens = request["prompts"], request["max_tokens"]
-    llama_cpp.llama_backend_init()
-    quiet = llama_cpp.llama_log_callback(lambda *_: None)  # kept alive: llama.cpp calls it
-    llama_cpp.llama_log_set(quiet, None)
-    model = llama_cpp.llama_model_load_from_file(request["path"].encode(),
-                                                 llama_cpp.llama_model_default_params())
-    # The low-level context: Llama() has no n_seq_max. A KV stream per sequence (kv_unified
-    # off), as llama.cpp advises for sequences that share no prefix: with one unified cache
-    # every token attends over all sequences' cells under a mask (w64, default model, AMD
-    # EPYC, 2 threads, 2026-12-02: 39.9 tok/s unified, 58.1 with a stream per sequence).
-    params = llama_cpp.llama_context_default_params()
-    per_sequence = max(len(p) + m for p, m in zip(prompts, max_tokens)) + 8
-    params.n_ctx = per_sequence * len(prompts)
-    params.n_batch = params.n_ubatch = N_BATCH
-    params.n_seq_max, params.kv_unified = len(prompts), False
-    params.n_threads = params.n_threads_batch = request["threads"]
-    ctx = llama_cpp.llama_init_from_model(model, params)
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-    batch = llama_cpp.llama_batch_init(max(N_BATCH, len(prompts)), 0, 1)
-
-    def decode(entries: list[tuple[int, int, int, bool]]) -> list[int]:
-        """(token, position, sequence, wants logits) -> argmax of each wanted row."""
-        batch.n_tokens = len(entries)
-        for i, (token, position, seq, wanted) in enumerate(entries):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, position, 1
-            batch.seq_id[i][0], batch.logits[i] = seq, wanted
-        if llama_cpp.llama_decode(ctx, batch) != 0:
-            raise SystemExit("llama_decode failed")
-        return [int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i),
-                                                     shape=(n_vocab,))))
-                for i, entry in enumerate(entries) if entry[3]]
-
-    def one_run(count: int) -> tuple[float, list[list[int]]]:
-        count = min(count, len(prompts))
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-        start = time.perf_counter()
-        outputs: list[list[int]] = [[] for _ in prompts[:count]]
-        pending = [(t, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts[:count])
-                   for pos, t in enumerate(p)]
-        firsts = []
-        for at in range(0, len(pending), N_BATCH):
-            firsts += decode(pending[at:at + N_BATCH])
-        for s, token in enumerate(firsts):
-            outputs[s].append(token)
-        while live := [s for s in range(count) if len(outputs[s]) < max_tokens[s]]:
-            tokens = decode([(outputs[s][-1], len(prompts[s]) + len(outputs[s]) - 1, s, True)
-                             for s in live])
-            for s, token in zip(live, tokens):
-                outputs[s].append(token)
-        return time.perf_counter() - start, outputs
-
-    one_run(WARM_UP)
-    runs = [one_run(len(prompts)) for _ in range(request["repeats"])]
+    batch = LlamaBatch(request["path"], prompts, max_tokens, request["threads"])
+    batch.run(WARM_UP)
+    runs = [batch.run(len(prompts)) for _ in range(request["repeats"])]
     reply({"rate": sum(max_tokens) / statistics.median(t for t, _ in runs),
            "tokens": runs[-1][1]})
 
@@ -139,7 +88,7 @@ def main() -> None:
     print_banner()
     llama = None
     for name in filter(None, (m.strip() for m in args.models.split(","))):
-        path = model_path(name)
+        path = model_path(name, args.llama_python)
         work = workload(path, args.seed)
         print(f"{path.name}: {work.description}", flush=True)
         for threads in (int(t) for t in args.threads.split(",")):

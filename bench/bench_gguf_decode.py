@@ -89,7 +89,7 @@ def main() -> None:
     from pagedgen.model.loading.tokenizer import load_gguf_tokenizer
     print_banner()
     for name in filter(None, (m.strip() for m in args.models.split(","))):
-        path = model_path(name)
+        path = model_path(name, args.llama_python)
         prompt = load_gguf_tokenizer(path)(_text(), add_special_tokens=False)["input_ids"][:PROMPT_TOKENS]
         for threads in (int(t) for t in args.threads.split(",")):
             rates = {w: pagedgen_rate(path, prompt, w, threads, args.new_tokens, args.repeats)

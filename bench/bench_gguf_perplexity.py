@@ -32,7 +32,9 @@ from llama_cpp_peer import (  # noqa: E402
 )
 
 
-def model_path(name: str) -> Path:
+def model_path(name: str, llama_python: str | None = None) -> Path:
+    """A bench model's file; llama_python: the venv whose llama.cpp quantizes the
+    llama-1b-q4_k_m / llama-1b-q8_0 files on first use."""
     if name == "default":
         from pagedgen.model.loading.default_model import default_model_path
         return default_model_path()
@@ -42,6 +44,9 @@ def model_path(name: str) -> Path:
     if name in ("llama-1b-random", "llama-8b-random"):  # random Q4_K_M blocks: speed only
         from bench_gguf_8b_memory import random_gguf
         return random_gguf(name.split("-")[1])
+    if name in ("llama-1b-q4_k_m", "llama-1b-q8_0"):  # random weights, llama.cpp's quantizer
+        from llama_quantized_files import quantized_gguf
+        return quantized_gguf("1b", name.split("-")[2].upper(), llama_python)
     return Path(name)
 
 
@@ -50,7 +55,9 @@ def speed_bench_parser(doc: str, threads: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()))
     parser.add_argument("--models", default="default,gemma-270m",
                         help="default, gemma-270m, llama-1b-random (a Llama-3.2-1B-shaped "
-                             "Q4_K_M file of random blocks, written on first use), or .gguf paths")
+                             "Q4_K_M file of random blocks, written on first use), "
+                             "llama-1b-q4_k_m / llama-1b-q8_0 (that shape's random weights "
+                             "quantized by llama.cpp: needs --llama-python), or .gguf paths")
     parser.add_argument("--threads", default=threads, help="comma-separated thread counts")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-python", default=None,
@@ -135,7 +142,7 @@ def main() -> None:
     from pagedgen.model.loading.tokenizer import load_gguf_tokenizer
     print(cpu_info().summary(), flush=True)
     for name in filter(None, (m.strip() for m in args.models.split(","))):
-        path = model_path(name)
+        path = model_path(name, args.llama_python)
         tokenizer = load_gguf_tokenizer(path)
         ids = tokenizer(_text(), add_special_tokens=False)["input_ids"]
         windows = windows_of(ids, _bos_it_adds(tokenizer), args.window, args.windows)

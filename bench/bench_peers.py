@@ -8,6 +8,8 @@ pagedgen / peer ratios. See bench/README.md.
     python bench/bench_peers.py --quick                    # tiny workload, a few minutes
     python bench/bench_peers.py --install-vllm --json bench_results.json   # the real run
     python bench/bench_peers.py --suite all --engines pagedgen,vllm,hf_static   # every workload
+    python bench/bench_peers.py --model default --weights packed \
+        --engines pagedgen,pagedgen_dequantized,llama_cpp --llama-python V/bin/python
 """
 
 from __future__ import annotations
@@ -41,7 +43,14 @@ RUNNERS = {
     "hf_static": "run_hf_static.py",
     "hf_cb": "run_hf_cb.py",
     "vllm": "run_vllm.py",
+    # GGUF rows (--weights packed): pagedgen on the file's blocks dequantized at load, and
+    # llama.cpp on the same file (in the --llama-python venv)
+    "pagedgen_dequantized": "run_pagedgen.py",
+    "llama_cpp": "run_llama_cpp.py",
 }
+DEFAULT_ENGINES = ("pagedgen", "hf_static", "hf_cb", "vllm")
+GGUF_ENGINES = ("pagedgen", "pagedgen_dequantized", "llama_cpp")  # they run the GGUF file
+GGUF_FILES = {"default": "default", "gemma-270m": "gemma-270m", "llama-1b": "llama-1b-q4_k_m"}
 REFERENCE_ENGINE = "hf_static"   # the agreement is measured against transformers' static generate
 SAMPLE_PROMPTS = BENCH_DIR.parent / "samples" / "prompts.jsonl"
 
@@ -49,7 +58,7 @@ SAMPLE_PROMPTS = BENCH_DIR.parent / "samples" / "prompts.jsonl"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--engines", default=",".join(RUNNERS),
+    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
                    help=f"comma-separated, run in this order; from {', '.join(RUNNERS)}")
     p.add_argument("--quick", action="store_true", help="tiny workload(s): checks that everything runs")
     p.add_argument("--suite", default=None,
@@ -63,6 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "Llama-3.2-1B-shaped, made once, 2.5 GB), 'default' (the SmolLM2 GGUF, "
                         "dequantized to bf16 once), 'gemma-270m' (Gemma 3 270M Q4_K_M from its "
                         "pip package, dequantized to bf16 once), or a model folder")
+    p.add_argument("--weights", default=None, choices=["packed"],
+                   help="run pagedgen, pagedgen_dequantized and llama_cpp on the model's GGUF "
+                        "file (default: the SmolLM2 Q4_1 file; gemma-270m: its Q4_K_M file; "
+                        "llama-1b: random weights quantized to Q4_K_M by llama.cpp, made once), "
+                        "pagedgen with the blocks as stored; the other engines keep the folder")
+    p.add_argument("--llama-python", type=Path, default=None,
+                   help="the interpreter of a llama-cpp-python venv (the llama_cpp engine, and "
+                        "llama.cpp's quantizer for --model llama-1b --weights packed)")
     p.add_argument("--prompts", type=Path, default=None,
                    help="JSONL of real prompts (prompt / messages / prompt_token_ids, optional "
                         "max_tokens); default with --model default: samples/prompts.jsonl if present")
@@ -88,6 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def validate(args: argparse.Namespace) -> None:
+    args.gguf = None  # the GGUF engines' file: main sets it once the model is resolved
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in args.engines if e not in RUNNERS]
     if unknown or not args.engines:
@@ -98,6 +116,11 @@ def validate(args: argparse.Namespace) -> None:
         raise SystemExit(f"--fraction must be in (0, 1], got {args.fraction}")
     if args.kv_gib <= 0:
         raise SystemExit(f"--kv-gib must be > 0, got {args.kv_gib}")
+    if args.weights is None and any(e in GGUF_ENGINES[1:] for e in args.engines):
+        raise SystemExit(f"--engines {','.join(GGUF_ENGINES[1:])} run a GGUF file: "
+                         "add --weights packed")
+    if args.weights == "packed" and args.model not in GGUF_FILES:
+        raise SystemExit(f"--weights packed: --model must be one of {', '.join(GGUF_FILES)}")
     if args.prompts is not None and not args.prompts.is_file():
         raise SystemExit(f"--prompts {args.prompts}: no such file")
     if args.suite is not None:
@@ -134,7 +157,9 @@ def kv_gib(args: argparse.Namespace, workload: Workload) -> float:
 
 
 def runner_python(engine: str, args: argparse.Namespace) -> Path | None:
-    """The interpreter for a runner; None when vLLM is not installed (and not asked to be)."""
+    """The interpreter for a runner; None when vLLM (or llama-cpp-python) is not installed."""
+    if engine == "llama_cpp":
+        return args.llama_python
     if engine != "vllm":
         return Path(sys.executable)
     if not is_installed(args.vllm_venv):
@@ -144,9 +169,18 @@ def runner_python(engine: str, args: argparse.Namespace) -> Path | None:
     return venv_python(args.vllm_venv)
 
 
+def gguf_file(args: argparse.Namespace) -> Path | None:
+    """The GGUF file the GGUF engines run (--weights packed), else None."""
+    if args.weights is None:
+        return None
+    from bench_gguf_perplexity import model_path
+    return model_path(GGUF_FILES[args.model], args.llama_python and str(args.llama_python))
+
+
 def runner_command(engine: str, python: Path, args: argparse.Namespace, model_dir: Path,
                    workload: Workload, workload_path: Path, work_dir: Path) -> list[str]:
-    command = [str(python), str(BENCH_DIR / "peers" / RUNNERS[engine]), "--model", str(model_dir),
+    model = args.gguf if args.gguf is not None and engine in GGUF_ENGINES else model_dir
+    command = [str(python), str(BENCH_DIR / "peers" / RUNNERS[engine]), "--model", str(model),
                "--workload", str(workload_path), "--tokens-out", str(work_dir / f"{engine}.tokens.json"),
                "--threads", str(args.threads), "--dtype", args.dtype,
                "--kv-gib", repr(kv_gib(args, workload)), "--kv-cache-dtype", args.kv_cache_dtype]
@@ -154,6 +188,8 @@ def runner_command(engine: str, python: Path, args: argparse.Namespace, model_di
         command.append("--eager")
     if engine == "hf_cb":
         command += ["--attn", args.hf_cb_attn, "--timeout", str(args.timeout)]
+    if args.gguf is not None and engine.startswith("pagedgen"):
+        command += ["--weights", "dequantized" if engine == "pagedgen_dequantized" else "packed"]
     return command
 
 
@@ -168,6 +204,8 @@ def runner_env(engine: str, args: argparse.Namespace, work_dir: Path) -> dict[st
 
 def run_engine(engine: str, python: Path | None, args: argparse.Namespace, model_dir: Path,
                workload: Workload, workload_path: Path, work_dir: Path) -> EngineRun:
+    if python is None and engine == "llama_cpp":
+        return EngineRun(engine, "skipped", "needs --llama-python (a llama-cpp-python venv)")
     if python is None:
         return EngineRun(engine, "skipped", f"not installed in {args.vllm_venv}; add --install-vllm")
     print(f"running {engine} on {workload.name} ...", flush=True)
@@ -225,7 +263,8 @@ def header_lines(args, model_dir: Path, cpu: CpuInfo, gemm_flop_s: float,
         cpu.summary(),
         f"threads {args.threads}, dtype {args.dtype}, KV budget {args.kv_gib:g} GiB per engine "
         f"(unless the workload sets its own), kv_cache_dtype {args.kv_cache_dtype}, ignore_eos",
-        f"model {model_dir}",
+        f"model {model_dir}" + ("" if args.gguf is None else
+                                f"; GGUF engines ({', '.join(GGUF_ENGINES)}) run {args.gguf}"),
         f"measured {args.dtype} GEMM {gemm_flop_s / 1e9:.0f} GFLOP/s (threads={args.threads}): "
         f"the compute bound's rate; memory copy_ {copy_bytes_s / 1e9:.1f} GB/s (read + write): "
         "the memory bound's rate",
@@ -290,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="pagedgen-bench-"))
     work_dir.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(args.model)
+    args.gguf = gguf_file(args)
     workloads = build_workloads(args, model_dir)
 
     # Install (if asked) before anything is measured, so that no install overlaps a measurement.

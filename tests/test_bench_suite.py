@@ -233,3 +233,50 @@ def test_suite_runs_end_to_end_for_pagedgen(tmp_path):
     tokens = json.loads((tmp_path / "work" / "parallel" / "pagedgen.tokens.json").read_text())
     assert len(tokens) == 4 * 8 and all(len(t) == 12 for t in tokens)
     assert len({tuple(t) for t in tokens}) > 4   # temperature 1: the samples differ
+
+
+def test_gguf_engines_run_the_file_and_the_rest_the_folder(tmp_path):
+    """--weights packed: pagedgen runs the GGUF file's blocks as stored, pagedgen_dequantized the
+    same file dequantized at load, llama_cpp the file in its own interpreter; the other engines
+    keep the model folder."""
+    import bench_peers
+
+    args = bench_peers.parse_args(["--model", "default", "--weights", "packed", "--engines",
+                                   "pagedgen,pagedgen_dequantized,llama_cpp,vllm",
+                                   "--llama-python", sys.executable])
+    args.gguf = tmp_path / "m.gguf"
+    w64 = suite()["w64"]
+
+    def command(engine):
+        return bench_peers.runner_command(engine, Path(sys.executable), args, tmp_path / "folder",
+                                          w64, tmp_path / "w.json", tmp_path)
+
+    for engine, weights in (("pagedgen", "packed"), ("pagedgen_dequantized", "dequantized")):
+        line = command(engine)
+        assert line[line.index("--model") + 1] == str(args.gguf)
+        assert line[line.index("--weights") + 1] == weights
+        assert line[1].endswith("run_pagedgen.py")
+    assert command("llama_cpp")[1].endswith("run_llama_cpp.py")
+    assert command("llama_cpp")[command("llama_cpp").index("--model") + 1] == str(args.gguf)
+    assert command("vllm")[command("vllm").index("--model") + 1] == str(tmp_path / "folder")
+    assert bench_peers.runner_python("llama_cpp", args) == Path(sys.executable)
+    with pytest.raises(SystemExit, match="add --weights packed"):
+        bench_peers.parse_args(["--engines", "pagedgen,llama_cpp"])
+    with pytest.raises(SystemExit, match="--model must be one of"):
+        bench_peers.parse_args(["--model", "bench", "--weights", "packed"])
+
+
+def test_the_llama_cpp_runner_declines_what_its_loop_cannot_run(tmp_path):
+    """Sampled or n > 1 workloads get an "unsupported" line (the table says so) rather than a
+    figure for another workload; it exits before importing llama_cpp."""
+    from peers.common import save_workload
+
+    workload_path = tmp_path / "w.json"
+    save_workload(suite()["parallel"], workload_path)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    done = subprocess.run([sys.executable, str(BENCH / "peers" / "run_llama_cpp.py"), "--model",
+                           str(tmp_path / "m.gguf"), "--workload", str(workload_path),
+                           "--tokens-out", str(tmp_path / "t.json")],
+                          capture_output=True, text=True, check=True)
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    assert line["engine"] == "llama_cpp" and "greedy" in line["unsupported"]

@@ -98,7 +98,8 @@ class RunnerResult:
 def runner_args(description: str) -> argparse.ArgumentParser:
     """The arguments every runner takes; a runner may add its own before parsing."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--model", required=True, help="model folder (safetensors + tokenizer)")
+    parser.add_argument("--model", required=True,
+                        help="model folder (safetensors + tokenizer), or a .gguf file")
     parser.add_argument("--workload", required=True, type=Path, help="workload JSON from the driver")
     parser.add_argument("--tokens-out", required=True, type=Path, help="where to write output token ids")
     parser.add_argument("--threads", type=int, default=2)
@@ -122,8 +123,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.kv_gib <= 0:
         raise ValueError(f"--kv-gib must be > 0, got {args.kv_gib}")
-    if not Path(args.model).is_dir():
-        raise ValueError(f"--model {args.model} is not a model folder")
+    model = Path(args.model)
+    if not (model.is_dir() or (model.suffix == ".gguf" and model.is_file())):
+        raise ValueError(f"--model {args.model} is neither a model folder nor a .gguf file")
 
 
 def seconds_since_spawn(spawn_time: float | None, process_start: float) -> float:

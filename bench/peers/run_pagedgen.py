@@ -44,6 +44,8 @@ def kernel_paths(llm) -> list[str]:
 def main() -> None:
     parser = runner_args(__doc__.splitlines()[0])
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--weights", default=None, choices=["packed", "dequantized"],
+                        help="a GGUF file's matrices: kept as stored, or dequantized at load")
     args = parser.parse_args()
     check_args(args)
     env_threads(args.threads)
@@ -54,7 +56,8 @@ def main() -> None:
 
     llm = LLM(model=args.model, dtype=args.dtype, threads=args.threads, block_size=args.block_size,
               kv_memory=int(args.kv_gib * 2**30), seed=workload.seed,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype,
+              **({"weights": args.weights} if args.weights else {}))
     startup_s = seconds_since_spawn(args.spawn_time, PROCESS_START)
 
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
@@ -78,7 +81,8 @@ def main() -> None:
         kv_allocated_bytes=report["pool"]["total_bytes"], kv_peak_bytes=report["summary"]["peak_bytes"],
         preemptions=preemptions, kernel_paths=kernel_paths(llm),
         notes=[f"block size {args.block_size}", f"preemptions {preemptions}",
-               f"kv_cache_dtype {args.kv_cache_dtype}"],
+               f"kv_cache_dtype {args.kv_cache_dtype}"]
+        + ([f"weights {args.weights}"] if args.weights else []),
     )
     finish(result, outputs, args.tokens_out)
 
