@@ -19,6 +19,9 @@
  *    is paid once per tile, not once per row of x.
  * Every type's weights become (code, scale, offset) per 16 values: Q6_K's scales really are
  * per 16; for the others the two halves of a 32-block share theirs.
+ *
+ * Each library also exports gguf_linear_team (end of this file): a whole projection computed
+ * by the threads of the caller's parallel region, for the fused decode step.
  */
 #include <math.h>
 #include <stdint.h>

@@ -1,7 +1,8 @@
 /* gguf_gemm of the AVX-512 and AVX2 libraries: weight blocks decoded in registers inside the
  * dot product. This file holds what both widths share (the blocking, the per-row factors'
- * layout, the driver); gguf_avx512.c and gguf_avx2.c hold the vector code of each, included
- * below by the target flags, so each library is still exactly one path.
+ * layout, the team functions gguf_gemm.c's entry points call); gguf_avx512.c and gguf_avx2.c
+ * hold the vector code of each, included below by the target flags, so each library is still
+ * exactly one path.
  *
  * Included by gguf_gemm.c in those two libraries; the portable one unpacks a tile of weight
  * rows to a buffer instead. With few activation rows (decode) that buffer round trip, not the

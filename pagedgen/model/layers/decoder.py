@@ -6,8 +6,8 @@ sequences of the step; which token belongs to which sequence is in StepMetadata.
 What differs between families is data (ModelConfig.style, layer_types, rope_of): the norm
 style, Gemma's sandwich norms and scaled embeddings, each layer's window and RoPE.
 On CPU in bfloat16, with the weights packed for our GEMMs or GGUF blocks kept as stored, a
-pure decode step runs every layer in one native call (fused_decode.py): the Llama family (not Qwen3) and Gemma 3, on a
-one-group or a hybrid KV pool.
+pure decode step runs every layer in one native call (fused_decode.py): the Llama family (not
+Qwen3) and Gemma 3, on a one-group or a hybrid KV pool.
 """
 from __future__ import annotations
 
