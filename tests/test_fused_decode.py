@@ -23,13 +23,17 @@ PROMPT_LENGTHS = [1, 7, 8, 20]  # a lone token, block size -1, +0, several block
 
 
 def _runner(model_path: str | None, kv_cache_dtype: str = "auto", hybrid_kv: bool = True,
-            num_blocks: int = 64) -> ModelRunner:
-    loaded = load_model(model_path, dtype=torch.bfloat16, device="cpu")  # private: we toggle it
+            num_blocks: int = 64, weights: str = "dequantized") -> ModelRunner:
+    """weights: a GGUF file's (the default model's) matrices dequantized for our bf16 GEMM, or
+    "packed": its blocks as stored."""
+    loaded = load_model(model_path, dtype=torch.bfloat16, device="cpu",  # private: we toggle it
+                        weights=weights)
     runner = ModelRunner(loaded, EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks,
                                               kv_cache_dtype=kv_cache_dtype), hybrid_kv=hybrid_kv)
     if runner.model.fused_decode is None:
         pytest.skip("no fused decode here (needs the native kernels and AMX or AVX-512 BF16)")
-    assert runner.model.fused_decode.gemm_kind == native.gemm_kind()
+    kind = "gguf" if weights == "packed" else native.gemm_kind()
+    assert runner.model.fused_decode.gemm_kind == kind
     return runner
 
 
@@ -85,12 +89,16 @@ def _assert_fused_equals_layers(runner, lengths=PROMPT_LENGTHS, covered=True):
 
 
 @pytest.mark.parametrize("model, kv_cache_dtype", [
-    ("tiny", "auto"), ("default", "auto"),
-    ("tiny", "int8"), ("tiny", "fp8_e4m3"), ("tiny", "fp8_e5m2"), ("default", "int8")])
+    ("tiny", "auto"), ("default", "auto"), ("default-packed", "auto"),
+    ("tiny", "int8"), ("tiny", "fp8_e4m3"), ("tiny", "fp8_e5m2"), ("default", "int8"),
+    ("default-packed", "int8")])
 def test_fused_decode_is_bit_identical_to_the_layers(model, kv_cache_dtype):
-    # tiny: head_dim 16 (the portable attention loop); default: SmolLM2, head_dim 64 (AVX-512).
+    # tiny: head_dim 16 (the portable attention loop); default: SmolLM2, head_dim 64 (AVX-512),
+    # dequantized for our bf16 GEMM or (default-packed) its Q4_1/Q8_0 blocks as stored.
     # 8-bit pools: the codes and their scales (re-quantized as blocks fill) must match too.
-    runner = _runner(str(tiny_model_dir("llama")) if model == "tiny" else None, kv_cache_dtype)
+    path = str(tiny_model_dir("llama")) if model == "tiny" else None
+    runner = _runner(path, kv_cache_dtype,
+                     weights="packed" if model == "default-packed" else "dequantized")
     _assert_fused_equals_layers(runner)
 
 

@@ -98,8 +98,9 @@ TABLE: tuple[Setting, ...] = (
             "auto (CUDA when available, else CPU), cpu, cuda or cuda:N.", commands=ALL_COMMANDS),
     Setting("weights", "choice", "auto", MODEL, True,
             "How a GGUF file's weights are held: packed (quantized blocks, multiplied as they "
-            "are), dequantized (expanded to the compute dtype at load) or auto (packed when the "
-            "dequantized copy would take over a quarter of the available memory).",
+            "are), dequantized (expanded to the compute dtype at load) or auto (packed on CPU in "
+            "bfloat16; in float32 only when the dequantized copy would take over a quarter of "
+            "the available memory).",
             choices=("auto", "packed", "dequantized")),
     Setting("threads", "int", None, MODEL, False,
             "CPU threads for torch; on small shared machines 1-2 is often fastest.",

@@ -53,8 +53,8 @@ def load_model(model: str | Path | None, dtype: str | torch.dtype | None = None,
     device: None or "auto": CUDA when available, else CPU. weights: the `weights` setting
     (None: "auto"): "packed" keeps a GGUF file's quantized matrices in their blocks,
     memory-mapped (CPU only; docs/gguf_weights.md), "dequantized" expands them to `dtype` at
-    load, "auto" is packed for a GGUF on CPU whose dequantized copy would
-    crowd memory (_resolve_auto), dequantized otherwise.
+    load, "auto" is packed for a GGUF on CPU in bfloat16, and in float32 where the dequantized
+    copy would crowd memory (_resolve_auto), dequantized otherwise.
     """
     _check_weights_format(weights)
     device = torch.device(resolve_device(device))
@@ -92,7 +92,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str,
     reader = gguf_loader.open_gguf(path)
     config = gguf_loader.gguf_model_config(reader)
     check_config_fits_files(config, [path], GGUF_MIN_BYTES_PER_WEIGHT, path)
-    library = packed_library(_resolve_auto(weights, reader, dtype), device)
+    library = packed_library(_resolve_auto(weights, reader, dtype, device), device)
     if library is not None:
         decoder = gguf_packed.build_packed_decoder(config, reader, dtype, library)
     else:
@@ -107,16 +107,21 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str,
                        eos_token_ids=eos, dtype=dtype, device=device)
 
 
-# "auto" keeps a GGUF packed only when its dequantized copy would crowd memory: on the CPUs
-# measured so far the packed kernels decode slower than the bf16 GEMM (docs/gguf_weights.md),
-# so packing is chosen for what it saves (a 4.9 GB Q4_K_M 8B file is ~16 GB dequantized), not
-# by default for models that fit either way.
+# "auto" keeps a bfloat16 run's GGUF packed: there the packed kernels and the fused decode step
+# decode faster than the dequantized model at batch 1 and about as fast with many sequences,
+# in a third to a half of the memory (docs/gguf_weights.md). A float32 run (transformers'
+# oracle path) dequantizes, unless the dequantized copy would crowd memory (a 4.9 GB Q4_K_M
+# 8B file is ~32 GB in float32).
 AUTO_PACKED_MEMORY_SHARE = 0.25
 
 
-def _resolve_auto(weights: str, reader, dtype: torch.dtype) -> str:
+def _resolve_auto(weights: str, reader, dtype: torch.dtype, device: torch.device) -> str:
     if weights != "auto":
         return weights
+    if device.type != "cpu":  # the packed kernels are CPU kernels
+        return "dequantized"
+    if dtype == torch.bfloat16:
+        return "packed"
     expanded = sum(prod(t.shape) for t in reader.tensors) * dtype.itemsize
     return "packed" if expanded > AUTO_PACKED_MEMORY_SHARE * _available_memory() else "dequantized"
 
