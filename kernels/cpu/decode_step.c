@@ -1,6 +1,7 @@
 /* The decoder layers of a pure decode step (one new token per sequence) for bfloat16 on CPUs
- * with AMX or AVX-512 BF16 (the GEMM that matches the weights' packing), over a bf16 or an
- * 8-bit KV pool, in one OpenMP parallel region.
+ * with AMX or AVX-512 BF16 (the GEMM that matches the weights' packing), or on GGUF blocks as
+ * stored (the GGUF library's gguf_linear_team), over a bf16 or an 8-bit KV pool, in one OpenMP
+ * parallel region.
  *
  * Why: the same step through Python calls ten kernels per layer, each opening and closing a
  * parallel region, with the interpreter's work for the layer in between, during which the
