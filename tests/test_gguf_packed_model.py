@@ -182,13 +182,17 @@ def test_without_a_compiler_gguf_weights_are_dequantized_with_one_warning(tmp_pa
 
 
 def test_auto_packs_in_bfloat16_and_in_float32_only_when_memory_is_short(tmp_path, monkeypatch):
-    """bf16 on CPU: packed (the faster and smaller path); float32 (the oracle's dtype): packed
-    only when the dequantized copy would crowd memory; never on another device."""
-    from pagedgen.model.loading import loader
+    """bf16 on a CPU whose kernels decode in registers: packed (the faster and smaller path);
+    float32 (the oracle's dtype) or the portable kernels: packed only when the dequantized copy
+    would crowd memory; never on another device."""
+    from pagedgen.model.loading import gguf_packed, loader
     path = write_quantized_gguf(tmp_path / "q.gguf")
     monkeypatch.setattr(loader, "_available_memory", lambda: 1 << 40)
-    assert load_model(path, dtype="bfloat16", weights="auto").model.gguf_packed is not None
+    fast = gguf_packed.fast_packed_kernels()
+    assert (load_model(path, dtype="bfloat16", weights="auto").model.gguf_packed is not None) == fast
     assert load_model(path, dtype="float32", weights="auto").model.gguf_packed is None
+    monkeypatch.setattr(gguf_packed, "fast_packed_kernels", lambda: False)
+    assert load_model(path, dtype="bfloat16", weights="auto").model.gguf_packed is None
     monkeypatch.setattr(loader, "_available_memory", lambda: 1024)
     assert load_model(path, dtype="float32", weights="auto").model.gguf_packed is not None
     assert loader._resolve_auto("auto", None, torch.bfloat16, torch.device("cuda")) == "dequantized"

@@ -99,8 +99,8 @@ TABLE: tuple[Setting, ...] = (
     Setting("weights", "choice", "auto", MODEL, True,
             "How a GGUF file's weights are held: packed (quantized blocks, multiplied as they "
             "are), dequantized (expanded to the compute dtype at load) or auto (packed on CPU in "
-            "bfloat16; in float32 only when the dequantized copy would take over a quarter of "
-            "the available memory).",
+            "bfloat16 where the packed kernels have AVX2 or AVX-512; otherwise only when the "
+            "dequantized copy would take over a quarter of the available memory).",
             choices=("auto", "packed", "dequantized")),
     Setting("threads", "int", None, MODEL, False,
             "CPU threads for torch; on small shared machines 1-2 is often fastest.",

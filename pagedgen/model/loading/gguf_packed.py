@@ -70,6 +70,14 @@ def packed_kernels_available() -> gguf_kernels.GgufLibrary | None:
     return gguf_kernels.best()
 
 
+def fast_packed_kernels() -> bool:
+    """Whether this CPU's GGUF library decodes weight blocks in registers (AVX2, AVX-512): the
+    portable library's tile path, the only one elsewhere (ARM, ...), decodes slower than a
+    dequantized model runs."""
+    library = gguf_kernels.best()
+    return library is not None and library.path != "portable"
+
+
 def build_packed_decoder(config: ModelConfig, reader: GgufFile, dtype: torch.dtype,
                          library: gguf_kernels.GgufLibrary) -> Decoder:
     """A CPU decoder whose supported matrices stay packed in the mapped file."""

@@ -53,8 +53,9 @@ def load_model(model: str | Path | None, dtype: str | torch.dtype | None = None,
     device: None or "auto": CUDA when available, else CPU. weights: the `weights` setting
     (None: "auto"): "packed" keeps a GGUF file's quantized matrices in their blocks,
     memory-mapped (CPU only; docs/gguf_weights.md), "dequantized" expands them to `dtype` at
-    load, "auto" is packed for a GGUF on CPU in bfloat16, and in float32 where the dequantized
-    copy would crowd memory (_resolve_auto), dequantized otherwise.
+    load, "auto" is packed for a GGUF on CPU in bfloat16 where the packed kernels decode in
+    registers (AVX2, AVX-512), elsewhere where the dequantized copy would crowd memory
+    (_resolve_auto), dequantized otherwise.
     """
     _check_weights_format(weights)
     device = torch.device(resolve_device(device))
@@ -107,11 +108,12 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str,
                        eos_token_ids=eos, dtype=dtype, device=device)
 
 
-# "auto" keeps a bfloat16 run's GGUF packed: there the packed kernels and the fused decode step
-# decode faster than the dequantized model at batch 1 and about as fast with many sequences,
-# in a third to a half of the memory (docs/gguf_weights.md). A float32 run (transformers'
-# oracle path) dequantizes, unless the dequantized copy would crowd memory (a 4.9 GB Q4_K_M
-# 8B file is ~32 GB in float32).
+# "auto" keeps a bfloat16 run's GGUF packed where the packed kernels decode in registers
+# (AVX2, AVX-512): there they and the fused decode step decode faster than the dequantized
+# model at batch 1 and about as fast with many sequences, in a third to a half of the memory
+# (docs/gguf_weights.md). Elsewhere (the portable kernels), and in a float32 run (transformers'
+# oracle path), it dequantizes unless the dequantized copy would crowd memory (a 4.9 GB
+# Q4_K_M 8B file is ~32 GB in float32).
 AUTO_PACKED_MEMORY_SHARE = 0.25
 
 
@@ -120,7 +122,7 @@ def _resolve_auto(weights: str, reader, dtype: torch.dtype, device: torch.device
         return weights
     if device.type != "cpu":  # the packed kernels are CPU kernels
         return "dequantized"
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and gguf_packed.fast_packed_kernels():
         return "packed"
     expanded = sum(prod(t.shape) for t in reader.tensors) * dtype.itemsize
     return "packed" if expanded > AUTO_PACKED_MEMORY_SHARE * _available_memory() else "dequantized"
