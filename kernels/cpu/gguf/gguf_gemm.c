@@ -120,6 +120,14 @@ static float bf16_to_float(uint16_t h) {
     return out;
 }
 
+/* Scratch carved into 64-byte-aligned arrays: the next array of `bytes` at *at, which moves
+ * past it (the activation scratch of either library: activations_at). */
+static void *next_array(uintptr_t *at, int64_t bytes) {
+    void *array = (void *)((*at + 63) & ~(uintptr_t)63);
+    *at = (uintptr_t)array + (uintptr_t)bytes;
+    return array;
+}
+
 #if !IN_REGISTERS  /* the tile path: the portable library */
 
 /* ---- weight blocks -> codes, per-16 scales and offsets ------------------------------------ */
@@ -319,13 +327,11 @@ static int64_t activation_bytes(int64_t m_rows, int64_t k) {
 }
 
 static Activations activations_at(void *scratch, int64_t m_rows, int64_t k) {
-    uintptr_t at = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
+    uintptr_t at = (uintptr_t)scratch;
     Activations a;
-    a.q = (int8_t *)at;
-    at = (at + (uintptr_t)(2 * m_rows * k) + 63) & ~(uintptr_t)63;
-    a.scales = (float *)at;
-    at = (at + (uintptr_t)(m_rows * (k / 32) * 4) + 63) & ~(uintptr_t)63;
-    a.sums = (float *)at;
+    a.q = next_array(&at, 2 * m_rows * k);
+    a.scales = next_array(&at, m_rows * (k / 32) * 4);
+    a.sums = next_array(&at, m_rows * (k / 16) * 4);
     return a;
 }
 

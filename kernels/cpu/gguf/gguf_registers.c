@@ -280,12 +280,10 @@ static int64_t activation_bytes(int64_t m_rows, int64_t k) {
 }
 
 static Activations activations_at(void *scratch, int64_t m_rows, int64_t k) {
-    uintptr_t at = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
+    uintptr_t at = (uintptr_t)scratch;
     Activations a;
-    a.value = (int16_t *)at;
-    at = (at + (uintptr_t)(m_rows * k * 2) + 63) & ~(uintptr_t)63;
-    a.step = (float *)at;
-    at = (at + (uintptr_t)(m_rows * (k / 32) * 4) + 63) & ~(uintptr_t)63;
-    a.sum = (float *)at;
+    a.value = next_array(&at, m_rows * k * 2);
+    a.step = next_array(&at, m_rows * (k / 32) * 4);
+    a.sum = next_array(&at, m_rows * (k / 32) * 4);
     return a;
 }

@@ -52,15 +52,12 @@ class GgufScratch:
     descriptions (their addresses are in the layers' table) and the shared scratch, kept
     between steps and grown to the largest step seen."""
     library: gguf_team.GgufLibrary
+    linear_address: int  # gguf_linear_team in `library`
     projections: list[gguf_team.GgufProjection]
     widest_out: int  # the widest projection's output columns
     widest_in: int  # and the widest input
     out: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0))
     acts: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-
-    @property
-    def linear_address(self) -> int:
-        return gguf_team.linear_team_address(self.library)
 
     def buffers(self, tokens: int) -> tuple[int, int]:
         """(float32 output scratch, activation scratch) addresses for `tokens` rows."""
@@ -277,8 +274,8 @@ def _gguf_scratch(config: ModelConfig, decoder_layers: nn.ModuleList,
                                 layer.mlp.gate_up_packed, layer.mlp.down_packed)}
     if len(libraries) != 1:
         return None
-    widths = _row_widths(config)
-    return GgufScratch(libraries.popitem()[1], projections,
+    widths, library = _row_widths(config), libraries.popitem()[1]
+    return GgufScratch(library, gguf_team.linear_team_address(library), projections,
                        max(widths["qkv"], widths["gate_up"], config.hidden_size),
                        max(config.hidden_size, widths["attended"], widths["activated"]))
 
