@@ -78,7 +78,7 @@ def test_preemption_by_recompute_changes_no_bit(alone):
 
 def test_the_torch_attention_path_is_invariant_too(monkeypatch):
     """Where the native decode kernel does not apply: alone == chunked and preempted."""
-    monkeypatch.setattr(invariant_attention.native, "decode_attention", lambda *args: False)
+    monkeypatch.setattr(invariant_attention.native, "decode_attention", lambda *args, **kwargs: False)
     single = _llm(enable_prefix_caching=False)
     alone = {i: _run(single, [i])[i] for i in range(len(PROMPTS))}
     llm = _llm(num_blocks=14, max_num_batched_tokens=5, max_num_seqs=5)
@@ -89,7 +89,7 @@ def test_the_torch_attention_path_is_invariant_too(monkeypatch):
 @pytest.mark.parametrize("path", ["native", "torch"])
 def test_invariant_attention_matches_the_reference_and_each_row_alone(path, monkeypatch):
     if path == "torch":
-        monkeypatch.setattr(invariant_attention.native, "decode_attention", lambda *args: False)
+        monkeypatch.setattr(invariant_attention.native, "decode_attention", lambda *args, **kwargs: False)
     batch = make_paged_batch([37, 5, 64, 20], [1, 5, 30, 1], num_q_heads=6, num_kv_heads=2,
                              head_dim=16, block_size=4, dtype=torch.bfloat16)
     got = paged_attention(*batch.attention_args(), 0.25)

@@ -51,7 +51,9 @@ _HEADS = "int num_q_heads, int num_kv_heads, int head_dim"
 FUNCTIONS = {f.name: f for f in (
     _function("paged_decode_attention",
               "ptr q, int64_t q_stride, ptr k_cache, ptr v_cache, ptr block_tables, "
-              "int64_t max_blocks, ptr seq_lens, ptr out, " + _DECODE_SHAPE),
+              "int64_t max_blocks, ptr seq_lens, ptr out, int num_seqs, int num_q_heads, "
+              "int num_kv_heads, int head_dim, int block_size, float scale, int is_bf16, "
+              "int sliding_window, int share_blocks, int num_threads"),
     _function("paged_decode_attention_q8",
               "ptr q, int64_t q_stride, ptr k_cache, ptr v_cache, ptr k_scales, ptr v_scales, "
               "int kv_codes, ptr block_tables, int64_t max_blocks, ptr seq_lens, ptr out, "

@@ -256,10 +256,12 @@ int paged_decode_attention(const void *q, int64_t q_stride, const void *k_cache,
                            const int64_t *block_tables, int64_t max_blocks,
                            const int64_t *seq_lens, void *out, int num_seqs, int num_q_heads,
                            int num_kv_heads, int head_dim, int block_size, float scale,
-                           int is_bf16, int sliding_window, int num_threads) {
+                           int is_bf16, int sliding_window, int share_blocks,
+                           int num_threads) {
     const DecodeAttention args = {q, k_cache, v_cache, block_tables, seq_lens, out, q_stride,
                                   max_blocks, num_seqs, num_q_heads, num_kv_heads, head_dim,
-                                  block_size, is_bf16, scale, NULL, NULL, 0, sliding_window};
+                                  block_size, is_bf16, scale, NULL, NULL, 0, sliding_window,
+                                  share_blocks};
     if (!decode_attention_supported(&args)) return 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
@@ -277,7 +279,7 @@ int paged_decode_attention_q8(const void *q, int64_t q_stride, const void *k_cac
     const DecodeAttention args = {q, k_cache, v_cache, block_tables, seq_lens, out, q_stride,
                                   max_blocks, num_seqs, num_q_heads, num_kv_heads, head_dim,
                                   block_size, is_bf16, scale, k_scales, v_scales, kv_codes,
-                                  sliding_window};
+                                  sliding_window, 0};
     if (kv_codes < 1 || !decode_attention_supported(&args)) return 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)

@@ -11,7 +11,9 @@
  *   - each pass walks a sequence's blocks once, all kv heads of a block before the next, so
  *     every block is read front to back, once,
  *   - each thread takes a contiguous run of sequences (split by tokens) and prefetches the
- *     next block into L2 while computing the current one, across passes and sequences.
+ *     next block into L2 while computing the current one, across passes and sequences;
+ *   - neighbours that begin with the same blocks are attended as one unit, each shared block
+ *     read once for all of them (decode_shared_blocks.h).
  * In a full decode step the KV is not cache resident (KV plus weights exceed the share of L3
  * a process gets), so what counts is that memory transfers overlap the arithmetic. The kernel
  * comes close to the time of reading its bytes in this order; the gap is the software
@@ -37,145 +39,8 @@
 #include "decode_bf16_blocks.h"
 #include "x86_common.h"
 
-#define CHUNK 16 /* scores summed per transpose-add tree: one per float32 lane */
-#define MAX_GROUP 8 /* query heads per kv head (specialisations below) */
-#define MAX_VECS 16 /* float32 vectors per head row: head_dim 256 */
-
-ALWAYS_INLINE __m512 bf16x16_to_f32(const uint16_t *src) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-/* Lane t: q . row t, for the first n of 16 rows `stride` elements apart (lanes >= n: 0). */
-ALWAYS_INLINE __m512 dot_chunk(const uint16_t *rows, int n, int64_t stride, const uint16_t *q,
-                               int NV) {
-    __m512 dots[CHUNK];
-    for (int t = 0; t < CHUNK; t++) {
-        __m512 acc = _mm512_setzero_ps();
-        if (t < n)
-            for (int i = 0; i < NV; i++)
-                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + 32 * i),
-                                       (__m512bh)_mm512_loadu_si512(rows + t * stride + 32 * i));
-        dots[t] = acc;
-    }
-    return sum16(dots);
-}
-
-/* Scaled scores of every query head against all `len` keys into scores[h * len + t], and each
- * head's maximum over the keys from `first` on in max_score[h]. Block by block, all kv heads
- * of a block before the next, so the block's bytes are read once, front to back. */
-ALWAYS_INLINE void score_keys(const Bf16Job *job, const int64_t *table, int64_t len, int64_t first,
-                              const uint16_t *q, float *scores, float *max_score, NextPass then,
-                              int DIM, int GROUP) {
-    const int bs = job->block_size, NV = DIM / 32, heads = job->num_q_heads;
-    const int64_t stride = (int64_t)job->num_kv_heads * DIM; /* elements between tokens */
-    const __m512 scale = _mm512_set1_ps(job->scale);
-    for (int h = 0; h < heads; h++) max_score[h] = -FLT_MAX;
-    for (int64_t start = 0; start < len; start += bs) {
-        const uint16_t *rows = block_rows(job, job->k_cache, table, start / bs, DIM);
-        int count = len - start < bs ? (int)(len - start) : bs;
-        Prefetch fetch = prefetch_ahead_start(job, job->k_cache, table, start, len, then, DIM);
-        const int64_t share = (fetch.left / heads + 63) & ~(int64_t)63;
-        for (int c = 0; c < count; c += CHUNK) {
-            int n = count - c < CHUNK ? count - c : CHUNK;
-            __mmask16 valid = (__mmask16)((1u << n) - 1u);
-            const __mmask16 seen = valid & ~keys_before(start + c, first);
-            for (int h = 0; h < heads; h++) {
-                prefetch_some(&fetch, share);
-                const uint16_t *chunk = rows + (int64_t)c * stride + (h / GROUP) * DIM;
-                /* Two copies of the loop so that the full chunks (nearly all) have no branch. */
-                __m512 s = n == CHUNK ? dot_chunk(chunk, CHUNK, stride, q + h * DIM, NV)
-                                      : dot_chunk(chunk, n, stride, q + h * DIM, NV);
-                s = _mm512_mul_ps(s, scale);
-                _mm512_mask_storeu_ps(scores + h * len + start + c, valid, s);
-                if (seen)
-                    max_score[h] = fmaxf(max_score[h], _mm512_mask_reduce_max_ps(seen, s));
-            }
-        }
-    }
-}
-
-/* scores[h] <- exp(scores[h] - max), 0 before key `first`; returns 1 / sum per head in
- * inv_sum[h]. */
-ALWAYS_INLINE void softmax_rows(float *scores, int64_t len, int64_t first, const float *max_score,
-                                float *inv_sum, int heads) {
-    for (int h = 0; h < heads; h++) {
-        float *row = scores + h * len;
-        __m512 top = _mm512_set1_ps(max_score[h]), sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < len; t += CHUNK) {
-            __mmask16 valid = len - t >= CHUNK ? 0xffff : (__mmask16)((1u << (len - t)) - 1u);
-            const __mmask16 seen = valid & ~keys_before(t, first);
-            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(seen, row + t), top));
-            e = _mm512_maskz_mov_ps(seen, e);
-            _mm512_mask_storeu_ps(row + t, valid, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
-    }
-}
-
-/* Where p[h][t] is in the probabilities: probs[h * head + t * token]. */
-typedef struct {
-    int64_t head, token;
-} ProbLayout;
-
-/* acc[g] += sum over the block's `count` tokens of p[g][t] * V[t] for one kv head's GROUP
- * query heads; the accumulators live in registers for the block. */
-ALWAYS_INLINE void weigh_block(const uint16_t *rows, int count, int64_t stride, const float *probs,
-                               ProbLayout layout, float *acc, Prefetch *fetch, int64_t share,
-                               int DIM, int GROUP) {
-    const int NF = DIM / 16;
-    __m512 sum[MAX_GROUP][MAX_VECS];
-    for (int g = 0; g < GROUP; g++)
-        for (int j = 0; j < NF; j++) sum[g][j] = _mm512_loadu_ps(acc + g * DIM + 16 * j);
-    for (int t = 0; t < count; t++) {
-        prefetch_some(fetch, share);
-        __m512 value[MAX_VECS];
-        for (int j = 0; j < NF; j++) value[j] = bf16x16_to_f32(rows + t * stride + 16 * j);
-        for (int g = 0; g < GROUP; g++) {
-            __m512 p = _mm512_set1_ps(probs[g * layout.head + t * layout.token]);
-            for (int j = 0; j < NF; j++) sum[g][j] = _mm512_fmadd_ps(p, value[j], sum[g][j]);
-        }
-    }
-    for (int g = 0; g < GROUP; g++)
-        for (int j = 0; j < NF; j++) _mm512_storeu_ps(acc + g * DIM + 16 * j, sum[g][j]);
-}
-
-/* out rows of every query head = sum_t p[h][t] * V[t] / sum[h], rounded to bf16; block by
- * block, all kv heads of a block before the next. acc: num_q_heads * DIM floats of scratch. */
-ALWAYS_INLINE void weigh_values(const Bf16Job *job, const int64_t *table, int64_t len,
-                                const float *probs, ProbLayout layout, const float *inv_sum,
-                                float *acc, uint16_t *out, NextPass then, int DIM, int GROUP) {
-    const int bs = job->block_size, heads = job->num_q_heads;
-    const int64_t stride = (int64_t)job->num_kv_heads * DIM;
-    for (int64_t i = 0; i < (int64_t)heads * DIM; i += 16)
-        _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
-    for (int64_t start = 0; start < len; start += bs) {
-        const uint16_t *rows = block_rows(job, job->v_cache, table, start / bs, DIM);
-        int count = len - start < bs ? (int)(len - start) : bs;
-        Prefetch fetch = prefetch_ahead_start(job, job->v_cache, table, start, len, then, DIM);
-        const int64_t share = (fetch.left / (count * job->num_kv_heads) + 63) & ~(int64_t)63;
-        for (int kv = 0; kv < job->num_kv_heads; kv++)
-            weigh_block(rows + kv * DIM, count, stride,
-                        probs + kv * GROUP * layout.head + start * layout.token, layout,
-                        acc + kv * GROUP * DIM, &fetch, share, DIM, GROUP);
-    }
-    for (int h = 0; h < heads; h++) {
-        __m512 inv = _mm512_set1_ps(inv_sum[h]);
-        for (int j = 0; j < DIM / 16; j++)
-            _mm256_storeu_si256((__m256i *)(out + h * DIM + 16 * j),
-                                (__m256i)_mm512_cvtneps_pbh(
-                                    _mm512_mul_ps(_mm512_loadu_ps(acc + h * DIM + 16 * j), inv)));
-    }
-}
-
-#include "decode_scores_amx.h" /* with AMX: score_keys_amx, softmax_columns, AMX_SCORES */
-
-/* Per-thread scratch: scores, per-head max and 1/sum (16 at least), V sums; with AMX, Q^T. */
-typedef struct {
-    float *scores, *max_score, *inv_sum, *acc;
-    uint32_t *q_tiles; /* NULL: the dot-product path */
-} Scratch;
+#include "decode_bf16_passes.h"  /* score_keys, softmax_rows, weigh_values, Scratch */
+#include "decode_scores_amx.h"   /* with AMX: score_keys_amx, softmax_columns, AMX_SCORES */
 
 /* Sequence `seq`; `next`: the one this thread attends next (its first block is prefetched
  * during the last V block of this one), or -1. */
@@ -199,45 +64,33 @@ ALWAYS_INLINE void attend_sequence(const Bf16Job *job, int seq, int next, const 
     } else
 #endif
     {
-        score_keys(job, table, len, first, q, scratch->scores, scratch->max_score, values, DIM,
+        for (int h = 0; h < job->num_q_heads; h++) scratch->max_score[h] = -FLT_MAX;
+        score_keys(job, table, 0, len, first, q, scratch->scores, scratch->max_score, values, DIM,
                    GROUP);
         softmax_rows(scratch->scores, len, first, scratch->max_score, scratch->inv_sum,
                      job->num_q_heads);
     }
-    uint16_t *out = job->out + (int64_t)seq * job->num_q_heads * DIM;
-    weigh_values(job, table, len, scratch->scores, layout, scratch->inv_sum, scratch->acc, out,
+    zero_floats(scratch->acc, (int64_t)job->num_q_heads * DIM);
+    weigh_values(job, table, 0, len, scratch->scores, layout, scratch->acc,
                  first_block(job, job->k_cache, next, DIM), DIM, GROUP);
+    write_output(scratch->acc, scratch->inv_sum, job->out + (int64_t)seq * job->num_q_heads * DIM,
+                 job->num_q_heads, DIM);
 }
 
+#include "decode_shared_blocks.h" /* units of sequences that share blocks: attend_unit */
+
 #define SPECIALISE(DIM, GROUP)                                                              \
-    static void attend_##DIM##_##GROUP(const Bf16Job *job, int seq, int next,                 \
+    static void attend_##DIM##_##GROUP(const Bf16Job *job, Unit unit, int next,               \
                                        const Scratch *scratch) {                              \
-        attend_sequence(job, seq, next, scratch, DIM, GROUP);                                 \
+        if (unit.count == 1)                                                                  \
+            attend_sequence(job, unit.first, next, scratch, DIM, GROUP);                      \
+        else                                                                                  \
+            attend_unit(job, unit, next, scratch, DIM, GROUP);                                \
     }
 DECODE_SHAPES(SPECIALISE)
 DECODE_SHAPES_256(SPECIALISE)
 
-typedef void (*AttendFn)(const Bf16Job *, int, int, const Scratch *);
-
-/* Thread `me` of `threads` takes the sequences whose first context token falls in its equal
- * share of all context tokens: a contiguous run, so it knows which sequence comes next, with
- * about the same K/V traffic as the others. */
-static void split_by_tokens(const int64_t *seq_lens, int num_seqs, int me, int threads,
-                            int *begin, int *end) {
-    int64_t total = 0, seen = 0;
-    for (int s = 0; s < num_seqs; s++) total += seq_lens[s];
-    const int64_t from = total * me / threads, to = total * (me + 1) / threads;
-    *begin = *end = num_seqs;
-    for (int s = 0; s < num_seqs; s++) {
-        if (seen >= from && *begin == num_seqs) *begin = s;
-        if (seen >= to) {
-            *end = s;
-            break;
-        }
-        seen += seq_lens[s];
-    }
-    if (*begin > *end) *begin = *end;
-}
+typedef void (*AttendFn)(const Bf16Job *, Unit, int, const Scratch *);
 
 static AttendFn pick(int dim, int group) {
 #define CASE(DIM, GROUP) if (dim == DIM && group == GROUP) return attend_##DIM##_##GROUP;
@@ -267,48 +120,74 @@ static int use_amx_scores(const DecodeAttention *args) {
 #endif
 }
 
+/* Sequences per unit: 1 where units do not apply, else as many as MEMBER_SCORE_BYTES of
+ * scores hold, at most MAX_MEMBERS. */
+static int unit_members(const DecodeAttention *args, int64_t longest, int amx) {
+    if (!args->share_blocks || amx || args->sliding_window > 0) return 1;
+    const int64_t per_member = (int64_t)args->num_q_heads * longest * 4;
+    const int64_t fit = MEMBER_SCORE_BYTES / per_member;
+    return fit < 1 ? 1 : fit > MAX_MEMBERS ? MAX_MEMBERS : (int)fit;
+}
+
 /* One allocation per thread for its Scratch; returns it (to free), NULL when out of memory. */
-static void *make_scratch(const DecodeAttention *args, int64_t longest, int amx,
+static void *make_scratch(const DecodeAttention *args, int64_t longest, int amx, int members,
                           Scratch *scratch) {
     const size_t heads = (size_t)args->num_q_heads, lanes = heads < 16 ? 16 : heads;
     const size_t score_floats = amx ? ((size_t)longest + 15) / 16 * 16 * 16 : heads * longest;
     const size_t tile_words = amx ? (size_t)args->num_kv_heads * (args->head_dim / 32) * 256 : 0;
-    const size_t floats = score_floats + 2 * lanes + heads * args->head_dim + tile_words;
+    const size_t group = heads / (size_t)args->num_kv_heads;
+    const size_t unit_words = members > 1 ? (size_t)args->num_kv_heads *
+        ((members * group + 15) / 16) * (args->head_dim / 2) * 16 : 0;
+    const size_t value_floats = members > 1 ? (size_t)args->block_size * args->head_dim : 0;
+    const size_t floats = members * (score_floats + 2 * lanes + heads * args->head_dim) +
+                          tile_words + unit_words + value_floats;
     float *buffer = aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
     if (buffer == NULL) return NULL;
+    scratch->score_floats = (int64_t)score_floats;
+    scratch->lanes = (int)lanes;
+    scratch->head_dim = args->head_dim;
     scratch->scores = buffer;
-    scratch->max_score = buffer + score_floats;
-    scratch->inv_sum = scratch->max_score + lanes;
-    scratch->acc = scratch->inv_sum + lanes;
-    scratch->q_tiles = amx ? (uint32_t *)(scratch->acc + heads * args->head_dim) : NULL;
+    scratch->max_score = buffer + members * score_floats;
+    scratch->inv_sum = scratch->max_score + members * lanes;
+    scratch->acc = scratch->inv_sum + members * lanes;
+    float *after = scratch->acc + members * heads * args->head_dim;
+    scratch->q_tiles = amx ? (uint32_t *)after : NULL;
+    scratch->unit_queries = members > 1 ? (uint32_t *)(after + tile_words) : NULL;
+    scratch->unit_values = members > 1 ? after + tile_words + unit_words : NULL;
     if (amx) memset(scratch->q_tiles, 0, tile_words * 4); /* the columns that stay zero */
     return buffer;
 }
 
 void decode_attention_bf16_team(const DecodeAttention *args, int *failed) {
     AttendFn attend = pick(args->head_dim, args->num_q_heads / args->num_kv_heads);
-    int64_t longest = 1;
-    for (int s = 0; s < args->num_seqs; s++)
+    int64_t longest = 1, total = 0;
+    for (int s = 0; s < args->num_seqs; s++) {
         if (args->seq_lens[s] > longest) longest = args->seq_lens[s];
+        total += args->seq_lens[s];
+    }
     const Bf16Job job = {args->q, args->k_cache, args->v_cache, args->block_tables,
                          args->seq_lens, args->out, args->q_stride, args->max_blocks,
                          args->num_q_heads, args->num_kv_heads, args->block_size, args->scale,
                          args->sliding_window};
-    const int amx = use_amx_scores(args);
+    const int amx = use_amx_scores(args), threads = omp_get_num_threads();
+    const int members = unit_members(args, longest, amx);
+    const int64_t cap = (total + threads - 1) / threads; /* a unit's tokens: a thread's share */
     Scratch scratch;
-    void *buffer = make_scratch(args, longest, amx, &scratch);
+    void *buffer = make_scratch(args, longest, amx, members, &scratch);
     if (buffer == NULL) {
 #pragma omp atomic write
         *failed = 1;
     }
     int begin, end;
-    split_by_tokens(args->seq_lens, args->num_seqs, omp_get_thread_num(), omp_get_num_threads(),
-                    &begin, &end);
+    split_units(&job, args->num_seqs, members, cap, omp_get_thread_num(), threads, &begin, &end);
 #ifdef AMX_SCORES
     if (amx) configure_full_tiles();
 #endif
-    for (int seq = begin; buffer != NULL && seq < end; seq++)
-        attend(&job, seq, seq + 1 < end ? seq + 1 : -1, &scratch);
+    for (int seq = begin; buffer != NULL && seq < end;) {
+        const Unit unit = next_unit(&job, seq, end, members, cap);
+        seq += unit.count;
+        attend(&job, unit, seq < end ? seq : -1, &scratch);
+    }
 #ifdef AMX_SCORES
     if (amx) _tile_release();
 #endif

@@ -220,7 +220,7 @@ static void attention_team(const DecodeLayerWeights *w, const DecodeModelShape *
         b->qk_rotated, place->k, place->v, g->block_tables, g->seq_lens, b->attended,
         qk_heads * D, g->max_blocks, (int)T, s->num_q_heads, s->num_kv_heads, (int)D,
         s->block_size, 1, s->scale, place->k_scales, place->v_scales, b->kv_codes,
-        place->window};
+        place->window, 1};
     decode_attention_team(&attention, failed);
     linear_team(s, b, b->attended, q_size, w->o, w->o_bias, b->attn_out, T, H, q_size, failed);
 }

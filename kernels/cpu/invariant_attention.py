@@ -57,7 +57,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         first_block = first_visible_block(visible - 1, sliding_window, block_size)
         tables, visible = windowed_tables(tables, visible, first_block, block_size)
     if native.decode_attention(query, k_cache, v_cache, tables, visible, scale, out,
-                               sliding_window):
+                               sliding_window, share_blocks=False):
         return out
     blocks_needed = (visible + block_size - 1) // block_size
     per_row = int(blocks_needed.max()) * block_size * num_kv_heads * head_dim if tokens else 1

@@ -40,8 +40,8 @@ SOURCES = [Path(__file__).with_name(name)
                         "prefill_attention_avx512.c")]
 HEADERS = [Path(__file__).with_name(name)  # part of the cache key
            for name in ("decode_shapes.h", "team_ops.h", "decode_scores_amx.h",
-                        "decode_bf16_blocks.h", "x86_common.h", "kv_codes.h",
-                        "gemm_common.h")]
+                        "decode_bf16_blocks.h", "decode_bf16_passes.h",
+                        "decode_shared_blocks.h", "x86_common.h", "kv_codes.h", "gemm_common.h")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -130,13 +130,17 @@ def load() -> ctypes.CDLL | None:
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     out: torch.Tensor, sliding_window: int = 0) -> bool:
+                     out: torch.Tensor, sliding_window: int = 0,
+                     share_blocks: bool = True) -> bool:
     """Attention of one query token per sequence, K/V read in place through the tables.
 
     query: [S, H_q, D] with heads and D contiguous (rows may be strided: a view of the fused
     QKV output); out: contiguous [S, H_q, D]; k_cache/v_cache: contiguous [N, B, H_kv, D]; tables
     int64 [S, max_blocks]; seq_lens int64 [S]. float32 or bfloat16. sliding_window W > 0: the
     query (at position seq_len - 1) sees the last W keys; blocks before them are not read.
+    share_blocks: neighbours whose tables begin with the same blocks (parallel samples, requests
+    behind one cached prompt) are attended together, those blocks read once for all (bf16); a
+    row's last bit can then depend on its neighbours. False: every row alone (batch invariance).
     Returns False (and leaves `out` untouched) when the native kernel is unavailable or the
     case is unsupported.
     """
@@ -149,7 +153,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         block_tables.data_ptr(),
         block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_q_heads,
         k_cache.shape[2], head_dim, k_cache.shape[1], scale,
-        int(query.dtype == torch.bfloat16), sliding_window, torch.get_num_threads())
+        int(query.dtype == torch.bfloat16), sliding_window, int(share_blocks),
+        torch.get_num_threads())
     return status == 0
 
 

@@ -61,6 +61,10 @@ typedef struct {
     /* > 0: a query at position p sees keys in (p - W, p]; blocks wholly before the window are
      * not read (their table entries may name freed blocks). */
     int sliding_window;
+    /* 1: neighbours whose tables begin with the same blocks are attended together, those
+     * blocks read once (decode_shared_blocks.h; a row's last bit may then depend on its
+     * neighbours); 0: each alone, a row's bits its query's and keys' alone (batch invariance). */
+    int share_blocks;
 } DecodeAttention;
 
 /* The first key a decode query of a `len`-key context sees under `window` (0: none). */

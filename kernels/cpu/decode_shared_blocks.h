@@ -1,0 +1,362 @@
+/* Decode attention for sequences that begin with the same physical blocks (the parallel
+ * samples of one prompt, requests behind one cached system prompt, beams and tree branches),
+ * attended together as one unit: each shared K and V block is read from memory once for all
+ * members and used for every member's queries while it is in L1; then each member's own
+ * blocks as when it is alone. Without this, 128 requests behind a 1,500-token system prompt
+ * read that prompt's K/V 128 times a step, many times the bytes of the weights.
+ *
+ * Reading fewer bytes alone does not make a step faster where the arithmetic then binds (it
+ * does on 2-core AVX-512 machines), so the shared keys are also scored more cheaply: with the
+ * unit's queries in the vector lanes, 16 queries per VDPBF16PS, with no horizontal sums
+ * (score_shared_lanes). Those dot products are summed in another order than alone, so a
+ * member's output can differ from its output alone in the last bit (bf16); its softmax and
+ * value sums are the same operations in the same order (the shared V rows widened to float32
+ * once for all members). Batch-invariant runs switch units off (share_blocks 0).
+ *
+ * Used by decode_attention_bf16.c where its score and value passes serve (not the AMX score path, not sliding windows: a member's window would start
+ * inside the shared blocks). Members must be neighbours in the batch; the scheduler keeps a
+ * request's samples together, and requests behind one prompt arrive together.
+ */
+#ifndef PAGEDGEN_CPU_DECODE_SHARED_BLOCKS_H
+#define PAGEDGEN_CPU_DECODE_SHARED_BLOCKS_H
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <float.h>
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "decode_bf16_blocks.h"
+#include "decode_bf16_passes.h"
+
+#define MAX_MEMBERS 16 /* sequences per unit: past 16 the shared bytes are already small */
+/* Scores of a unit's members live together in one thread's scratch; long contexts take fewer
+ * members per unit rather than more memory. */
+#define MEMBER_SCORE_BYTES (8 << 20)
+
+/* Sequences [first, first + count) of the batch; their first `shared` tokens (whole blocks)
+ * are in the same physical blocks. count 1: a sequence alone (shared 0). */
+typedef struct {
+    int first, count;
+    int64_t shared;
+} Unit;
+
+/* Leading tokens of sequences a and b held in the same physical blocks, in whole blocks that
+ * both have filled. */
+static int64_t common_tokens(const Bf16Job *job, int a, int b) {
+    const int64_t la = job->seq_lens[a], lb = job->seq_lens[b];
+    const int64_t whole = (la < lb ? la : lb) / job->block_size;
+    const int64_t *ta = job->block_tables + (int64_t)a * job->max_blocks;
+    const int64_t *tb = job->block_tables + (int64_t)b * job->max_blocks;
+    int64_t i = 0;
+    while (i < whole && ta[i] == tb[i]) i++;
+    return i * job->block_size;
+}
+
+/* The unit that starts at `seq`: its neighbours join while they share at least one block with
+ * it and no fewer tokens than the unit so far, up to `members` sequences and `cap` context
+ * tokens (so that one unit is not more than a thread's share). */
+static Unit next_unit(const Bf16Job *job, int seq, int num_seqs, int members, int64_t cap) {
+    Unit unit = {seq, 1, 0};
+    int64_t tokens = job->seq_lens[seq];
+    while (seq + unit.count < num_seqs && unit.count < members) {
+        const int other = seq + unit.count;
+        const int64_t common = common_tokens(job, seq, other);
+        if (common == 0 || (unit.count > 1 && common < unit.shared)) break;
+        if (tokens + job->seq_lens[other] > cap) break;
+        if (unit.count == 1) unit.shared = common;
+        tokens += job->seq_lens[other];
+        unit.count++;
+    }
+    return unit;
+}
+
+/* K/V bytes a unit reads: its shared tokens once, each member's own tokens. */
+static int64_t unit_tokens(const Bf16Job *job, Unit unit) {
+    int64_t tokens = unit.shared;
+    for (int m = 0; m < unit.count; m++) tokens += job->seq_lens[unit.first + m] - unit.shared;
+    return tokens;
+}
+
+/* Thread `me` of `threads` takes the units whose first token (in the order units read their
+ * tokens) falls in its equal share: a contiguous run of sequences [*begin, *end), so it knows
+ * which comes next, with about the same K/V traffic as the others. Units are formed the same
+ * way by every thread (from sequence 0), so their boundaries agree. */
+static void split_units(const Bf16Job *job, int num_seqs, int members, int64_t cap, int me,
+                        int threads, int *begin, int *end) {
+    int64_t total = 0, seen = 0;
+    for (int s = 0; s < num_seqs;) {
+        const Unit unit = next_unit(job, s, num_seqs, members, cap);
+        total += unit_tokens(job, unit);
+        s += unit.count;
+    }
+    const int64_t from = total * me / threads, to = total * (me + 1) / threads;
+    *begin = *end = num_seqs;
+    for (int s = 0; s < num_seqs;) {
+        const Unit unit = next_unit(job, s, num_seqs, members, cap);
+        if (seen >= from && *begin == num_seqs) *begin = s;
+        if (seen >= to) {
+            *end = s;
+            break;
+        }
+        seen += unit_tokens(job, unit);
+        s += unit.count;
+    }
+    if (*begin > *end) *begin = *end;
+}
+
+/* The block that holds token `from` of `seq` onward, for the prefetch chain; none past its end. */
+ALWAYS_INLINE NextPass block_from(const Bf16Job *job, const uint16_t *cache, int seq,
+                                  int64_t from, int DIM) {
+    NextPass next = {NULL, 0};
+    if (seq < 0 || from >= job->seq_lens[seq]) return next;
+    const int64_t len = job->seq_lens[seq];
+    const int64_t *table = job->block_tables + (int64_t)seq * job->max_blocks;
+    const int64_t left = len - from;
+    next.rows = (const char *)block_rows(job, cache, table, from / job->block_size, DIM);
+    next.bytes = (left < job->block_size ? left : job->block_size) * job->num_kv_heads * DIM * 2;
+    return next;
+}
+
+/* Member m's slice of the scratch. */
+typedef struct {
+    float *scores, *max_score, *inv_sum, *acc;
+    int64_t len;
+    const int64_t *table;
+    const uint16_t *q;
+} Member;
+
+ALWAYS_INLINE Member member_of(const Bf16Job *job, const Scratch *scratch, Unit unit, int m) {
+    const int seq = unit.first + m;
+    Member member = {scratch->scores + m * scratch->score_floats,
+                     scratch->max_score + m * scratch->lanes, scratch->inv_sum + m * scratch->lanes,
+                     scratch->acc + (int64_t)m * job->num_q_heads * scratch->head_dim,
+                     job->seq_lens[seq], job->block_tables + (int64_t)seq * job->max_blocks,
+                     job->q + seq * job->q_stride};
+    return member;
+}
+
+/* A unit's queries (members x GROUP) from which the lanes path scores its shared keys: with
+ * fewer, most of its 16 lanes would be empty and the row path (score_shared_rows) is cheaper. */
+#define LANES_FROM 8
+
+ALWAYS_INLINE __mmask16 first_lanes16(int64_t count) {
+    return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
+}
+
+/* The unit's queries of kv head `kv`, every member's GROUP heads in turn (query i: member
+ * i / GROUP, head kv * GROUP + i % GROUP), packed 16 to a vector as dim pairs: word r of pair
+ * p of vector v is pair p of query 16 v + r (0 past the last query). */
+ALWAYS_INLINE void pack_unit_queries(const Bf16Job *job, Unit unit, uint32_t *packed, int DIM,
+                                     int GROUP) {
+    const int queries = unit.count * GROUP, vectors = (queries + 15) / 16, pairs = DIM / 2;
+    for (int kv = 0; kv < job->num_kv_heads; kv++)
+        for (int i = 0; i < vectors * 16; i++) {
+            uint32_t *lane = packed + ((int64_t)kv * vectors + i / 16) * pairs * 16 + i % 16;
+            const uint16_t *q = job->q + (unit.first + i / GROUP) * job->q_stride +
+                                (kv * GROUP + i % GROUP) * DIM;
+            for (int p = 0; p < pairs; p++) {
+                uint32_t pair = 0;
+                if (i < queries) memcpy(&pair, q + 2 * p, 4);
+                lane[p * 16] = pair;
+            }
+        }
+}
+
+/* 16 x 16 floats: v[r] lane t <- v[t] lane r. */
+ALWAYS_INLINE void transpose16(__m512 v[16]) {
+    __m512 a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 2; j++) {
+            __m512d x = _mm512_castps_pd(a[4 * i + j]), y = _mm512_castps_pd(a[4 * i + j + 2]);
+            b[4 * i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
+            b[4 * i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
+        }
+    /* b[4i + k]: rows 4i..4i+3, element k of each 4-lane group; now the 128-bit groups */
+    for (int i = 0; i < 4; i++) {
+        __m512 lo0 = _mm512_shuffle_f32x4(b[i], b[4 + i], _MM_SHUFFLE(2, 0, 2, 0));
+        __m512 hi0 = _mm512_shuffle_f32x4(b[i], b[4 + i], _MM_SHUFFLE(3, 1, 3, 1));
+        __m512 lo1 = _mm512_shuffle_f32x4(b[8 + i], b[12 + i], _MM_SHUFFLE(2, 0, 2, 0));
+        __m512 hi1 = _mm512_shuffle_f32x4(b[8 + i], b[12 + i], _MM_SHUFFLE(3, 1, 3, 1));
+        v[i] = _mm512_shuffle_f32x4(lo0, lo1, _MM_SHUFFLE(2, 0, 2, 0));
+        v[8 + i] = _mm512_shuffle_f32x4(lo0, lo1, _MM_SHUFFLE(3, 1, 3, 1));
+        v[4 + i] = _mm512_shuffle_f32x4(hi0, hi1, _MM_SHUFFLE(2, 0, 2, 0));
+        v[12 + i] = _mm512_shuffle_f32x4(hi0, hi1, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+
+/* The shared blocks' keys against 16 of the unit's queries at a time, the queries in the lanes:
+ * per key, one VDPBF16PS per dim pair with the key's pair broadcast from the cache row gives 16
+ * scores, so no horizontal sums (the row path's sum16); 16 keys' vectors are transposed into
+ * the members' score rows. Each shared K block is read from memory once. */
+ALWAYS_INLINE void score_shared_lanes(const Bf16Job *job, const Scratch *scratch, Unit unit,
+                                      NextPass then, int DIM, int GROUP) {
+    const int bs = job->block_size, pairs = DIM / 2, queries = unit.count * GROUP;
+    const int vectors = (queries + 15) / 16;
+    const int64_t stride = (int64_t)job->num_kv_heads * DIM;
+    const __m512 scale = _mm512_set1_ps(job->scale);
+    const int64_t *table = job->block_tables + (int64_t)unit.first * job->max_blocks;
+    Member members[MAX_MEMBERS];
+    for (int m = 0; m < unit.count; m++) members[m] = member_of(job, scratch, unit, m);
+    pack_unit_queries(job, unit, scratch->unit_queries, DIM, GROUP);
+    for (int64_t start = 0; start < unit.shared; start += bs) {
+        const uint16_t *rows = block_rows(job, job->k_cache, table, start / bs, DIM);
+        Prefetch fetch = prefetch_ahead_start(job, job->k_cache, table, start, unit.shared, then,
+                                              DIM);
+        const int64_t share = (fetch.left / (job->num_kv_heads * vectors) + 63) & ~(int64_t)63;
+        for (int c = 0; c < bs; c += CHUNK) {
+            const int n = bs - c < CHUNK ? bs - c : CHUNK;
+            const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+            for (int kv = 0; kv < job->num_kv_heads; kv++) {
+                const uint32_t *key[CHUNK]; /* past the block's end: its last key, masked */
+                for (int t = 0; t < CHUNK; t++)
+                    key[t] = (const uint32_t *)(rows + (int64_t)(c + (t < n ? t : n - 1)) * stride +
+                                                kv * DIM);
+                for (int v = 0; v < vectors; v++) {
+                    prefetch_some(&fetch, share);
+                    const uint32_t *packed =
+                        scratch->unit_queries + ((int64_t)kv * vectors + v) * pairs * 16;
+                    __m512 dots[CHUNK];
+                    for (int t = 0; t < CHUNK; t++) dots[t] = _mm512_setzero_ps();
+                    for (int p = 0; p < pairs; p++) {
+                        const __m512bh q = (__m512bh)_mm512_loadu_si512(packed + p * 16);
+                        for (int t = 0; t < CHUNK; t++)
+                            dots[t] = _mm512_dpbf16_ps(
+                                dots[t], q, (__m512bh)_mm512_set1_epi32((int)key[t][p]));
+                    }
+                    transpose16(dots); /* dots[r]: query 16 v + r against the 16 keys */
+                    for (int r = 0; r < CHUNK && 16 * v + r < queries; r++) {
+                        const int i = 16 * v + r;
+                        const Member *member = &members[i / GROUP];
+                        const int h = kv * GROUP + i % GROUP;
+                        _mm512_mask_storeu_ps(member->scores + h * member->len + start + c, valid,
+                                              _mm512_mul_ps(dots[r], scale));
+                    }
+                }
+            }
+        }
+    }
+    /* each row's maximum over its shared keys, from the stored scores (in L2 by now) */
+    for (int m = 0; m < unit.count; m++)
+        for (int h = 0; h < job->num_q_heads; h++) {
+            const float *row = members[m].scores + h * members[m].len;
+            __m512 top = _mm512_set1_ps(-FLT_MAX);
+            for (int64_t t = 0; t < unit.shared; t += 16) {
+                const __mmask16 keys = first_lanes16(unit.shared - t);
+                top = _mm512_mask_max_ps(top, keys, top, _mm512_maskz_loadu_ps(keys, row + t));
+            }
+            members[m].max_score[h] = fmaxf(members[m].max_score[h], _mm512_reduce_max_ps(top));
+        }
+}
+
+/* The shared blocks' keys against every member's query heads: score_keys for each member, with
+ * the loops over members inside, so a 16-key chunk is read from memory once. For units of few
+ * queries, where the lanes path would leave most lanes empty. */
+ALWAYS_INLINE void score_shared_rows(const Bf16Job *job, const Scratch *scratch, Unit unit,
+                                     NextPass then, int DIM, int GROUP) {
+    const int bs = job->block_size, NV = DIM / 32, heads = job->num_q_heads;
+    const int64_t stride = (int64_t)job->num_kv_heads * DIM;
+    const __m512 scale = _mm512_set1_ps(job->scale);
+    const int64_t *table = job->block_tables + (int64_t)unit.first * job->max_blocks;
+    Member members[MAX_MEMBERS];
+    for (int m = 0; m < unit.count; m++) members[m] = member_of(job, scratch, unit, m);
+    for (int64_t start = 0; start < unit.shared; start += bs) {
+        const uint16_t *rows = block_rows(job, job->k_cache, table, start / bs, DIM);
+        Prefetch fetch = prefetch_ahead_start(job, job->k_cache, table, start, unit.shared, then,
+                                              DIM);
+        const int64_t share = (fetch.left / (heads * unit.count) + 63) & ~(int64_t)63;
+        for (int c = 0; c < bs; c += CHUNK) {
+            const int n = bs - c < CHUNK ? bs - c : CHUNK;
+            const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+            for (int h = 0; h < heads; h++) {
+                const uint16_t *chunk = rows + (int64_t)c * stride + (h / GROUP) * DIM;
+                for (int m = 0; m < unit.count; m++) {
+                    prefetch_some(&fetch, share);
+                    const Member *member = &members[m];
+                    const uint16_t *q = member->q + h * DIM;
+                    __m512 s = n == CHUNK ? dot_chunk(chunk, CHUNK, stride, q, NV)
+                                          : dot_chunk(chunk, n, stride, q, NV);
+                    s = _mm512_mul_ps(s, scale);
+                    _mm512_mask_storeu_ps(member->scores + h * member->len + start + c, valid, s);
+                    member->max_score[h] =
+                        fmaxf(member->max_score[h], _mm512_mask_reduce_max_ps(valid, s));
+                }
+            }
+        }
+    }
+}
+
+/* The shared blocks' values into every member's sums: weigh_values for each member, with the
+ * loop over members inside, so a block's V rows are read from memory once, and widened to
+ * float32 once (the values weigh_block would widen, so the same sums). */
+ALWAYS_INLINE void weigh_shared_values(const Bf16Job *job, const Scratch *scratch, Unit unit,
+                                       NextPass then, int DIM, int GROUP) {
+    const int bs = job->block_size;
+    const int64_t stride = (int64_t)job->num_kv_heads * DIM;
+    const int64_t *table = job->block_tables + (int64_t)unit.first * job->max_blocks;
+    for (int64_t start = 0; start < unit.shared; start += bs) {
+        const uint16_t *rows = block_rows(job, job->v_cache, table, start / bs, DIM);
+        Prefetch fetch = prefetch_ahead_start(job, job->v_cache, table, start, unit.shared, then,
+                                              DIM);
+        const int64_t share =
+            (fetch.left / ((int64_t)bs * job->num_kv_heads * unit.count) + 63) & ~(int64_t)63;
+        for (int kv = 0; kv < job->num_kv_heads; kv++) {
+            for (int t = 0; t < bs; t++)
+                for (int j = 0; j < DIM / 16; j++)
+                    _mm512_storeu_ps(scratch->unit_values + t * DIM + 16 * j,
+                                     bf16x16_to_f32(rows + t * stride + kv * DIM + 16 * j));
+            for (int m = 0; m < unit.count; m++) {
+                const Member member = member_of(job, scratch, unit, m);
+                weigh_block(rows + kv * DIM, scratch->unit_values, bs, stride,
+                            member.scores + kv * GROUP * member.len + start,
+                            (ProbLayout){member.len, 1}, member.acc + kv * GROUP * DIM, &fetch,
+                            share, DIM, GROUP);
+            }
+        }
+    }
+}
+
+/* A unit of several sequences; `next`: the sequence this thread attends after it, or -1. */
+ALWAYS_INLINE void attend_unit(const Bf16Job *job, Unit unit, int next, const Scratch *scratch,
+                               int DIM, int GROUP) {
+    const int heads = job->num_q_heads;
+    for (int m = 0; m < unit.count; m++) {
+        const Member member = member_of(job, scratch, unit, m);
+        for (int h = 0; h < heads; h++) member.max_score[h] = -FLT_MAX;
+        zero_floats(member.acc, (int64_t)heads * DIM);
+    }
+    const NextPass own_keys = block_from(job, job->k_cache, unit.first, unit.shared, DIM);
+    if (unit.count * GROUP >= LANES_FROM)
+        score_shared_lanes(job, scratch, unit, own_keys, DIM, GROUP);
+    else
+        score_shared_rows(job, scratch, unit, own_keys, DIM, GROUP);
+    for (int m = 0; m < unit.count; m++) {
+        const Member member = member_of(job, scratch, unit, m);
+        const NextPass then = m + 1 < unit.count
+            ? block_from(job, job->k_cache, unit.first + m + 1, unit.shared, DIM)
+            : block_from(job, job->v_cache, unit.first, 0, DIM);
+        score_keys(job, member.table, unit.shared, member.len, 0, member.q, member.scores,
+                   member.max_score, then, DIM, GROUP);
+        softmax_rows(member.scores, member.len, 0, member.max_score, member.inv_sum, heads);
+    }
+    weigh_shared_values(job, scratch, unit, block_from(job, job->v_cache, unit.first, unit.shared,
+                                                       DIM), DIM, GROUP);
+    for (int m = 0; m < unit.count; m++) {
+        const Member member = member_of(job, scratch, unit, m);
+        const NextPass then = m + 1 < unit.count
+            ? block_from(job, job->v_cache, unit.first + m + 1, unit.shared, DIM)
+            : first_block(job, job->k_cache, next, DIM);
+        weigh_values(job, member.table, unit.shared, member.len, member.scores,
+                     (ProbLayout){member.len, 1}, member.acc, then, DIM, GROUP);
+        write_output(member.acc, member.inv_sum, job->out + (int64_t)(unit.first + m) * heads * DIM,
+                     heads, DIM);
+    }
+}
+
+#endif
+#endif
