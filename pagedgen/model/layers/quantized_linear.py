@@ -20,6 +20,7 @@ depend on how many rows share its batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,7 +28,22 @@ import torch.nn.functional as F
 
 from pagedgen.kernels.cpu import gguf as gguf_kernels
 
-BF16_TILES_MIN_ROWS = 4  # bf16 rows: int8 kernels below, bf16 tiles from here (AVX-512 BF16)
+
+
+def _cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), '' where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.startswith("vendor_id")), "")
+
+
+# bf16 rows: int8 kernels below, bf16 tiles from here (AVX-512 BF16). The crossover measured per
+# CPU kind (bench/GGUF_FIGURES.md): 4 rows on AMD Zen 4; 8 on Intel Xeon (Sapphire / Emerald
+# Rapids), where the int8 kernel is still 7-40% ahead at 4 rows.
+BF16_TILES_MIN_ROWS = 8 if _cpu_vendor() == "GenuineIntel" else 4
 DEQUANTIZE_MIN_ROWS = 64  # without bf16 tiles: int8 kernels below, dequantize + GEMM from here
 DEQUANTIZE_MIN_ROWS_AFTER_TILES = 192  # with them: the tiles below, dequantize + GEMM from here
 
