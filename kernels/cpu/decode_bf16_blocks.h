@@ -47,14 +47,21 @@ typedef struct {
     int64_t bytes;
 } NextPass;
 
-ALWAYS_INLINE NextPass first_block(const Bf16Job *job, const uint16_t *cache, int seq, int DIM) {
+/* The block that holds token `from` of `seq` and what of it is left, for the prefetch chain;
+ * none for seq -1 or past its end. */
+ALWAYS_INLINE NextPass block_from(const Bf16Job *job, const uint16_t *cache, int seq,
+                                  int64_t from, int DIM) {
     NextPass next = {NULL, 0};
-    if (seq < 0) return next;
-    const int64_t len = job->seq_lens[seq];
+    if (seq < 0 || from >= job->seq_lens[seq]) return next;
+    const int64_t left = job->seq_lens[seq] - from;
     const int64_t *table = job->block_tables + (int64_t)seq * job->max_blocks;
-    next.rows = (const char *)block_rows(job, cache, table, 0, DIM);
-    next.bytes = (len < job->block_size ? len : job->block_size) * job->num_kv_heads * DIM * 2;
+    next.rows = (const char *)block_rows(job, cache, table, from / job->block_size, DIM);
+    next.bytes = (left < job->block_size ? left : job->block_size) * job->num_kv_heads * DIM * 2;
     return next;
+}
+
+ALWAYS_INLINE NextPass first_block(const Bf16Job *job, const uint16_t *cache, int seq, int DIM) {
+    return block_from(job, cache, seq, 0, DIM);
 }
 
 ALWAYS_INLINE Prefetch prefetch_ahead_start(const Bf16Job *job, const uint16_t *cache,

@@ -13,9 +13,10 @@
  * value sums are the same operations in the same order (the shared V rows widened to float32
  * once for all members). Batch-invariant runs switch units off (share_blocks 0).
  *
- * Used by decode_attention_bf16.c where its score and value passes serve (not the AMX score path, not sliding windows: a member's window would start
- * inside the shared blocks). Members must be neighbours in the batch; the scheduler keeps a
- * request's samples together, and requests behind one prompt arrive together.
+ * Used by decode_attention_bf16.c where its score and value passes serve (not the AMX score
+ * path; not sliding windows: a member's window would start inside the shared blocks). Members
+ * must be neighbours in the batch; the scheduler keeps a request's samples together, and
+ * requests behind one prompt arrive together.
  */
 #ifndef PAGEDGEN_CPU_DECODE_SHARED_BLOCKS_H
 #define PAGEDGEN_CPU_DECODE_SHARED_BLOCKS_H
@@ -104,19 +105,6 @@ static void split_units(const Bf16Job *job, int num_seqs, int members, int64_t c
         s += unit.count;
     }
     if (*begin > *end) *begin = *end;
-}
-
-/* The block that holds token `from` of `seq` onward, for the prefetch chain; none past its end. */
-ALWAYS_INLINE NextPass block_from(const Bf16Job *job, const uint16_t *cache, int seq,
-                                  int64_t from, int DIM) {
-    NextPass next = {NULL, 0};
-    if (seq < 0 || from >= job->seq_lens[seq]) return next;
-    const int64_t len = job->seq_lens[seq];
-    const int64_t *table = job->block_tables + (int64_t)seq * job->max_blocks;
-    const int64_t left = len - from;
-    next.rows = (const char *)block_rows(job, cache, table, from / job->block_size, DIM);
-    next.bytes = (left < job->block_size ? left : job->block_size) * job->num_kv_heads * DIM * 2;
-    return next;
 }
 
 /* Member m's slice of the scratch. */
