@@ -127,15 +127,19 @@ def _only_marks_between(lines: list[str], end: int, start: int) -> bool:
 
 
 def cpu_kind() -> str:
-    """amx, avx512_bf16 or other: the kernels (and so bf16 rounding) differ between them."""
+    """amx, avx512_bf16, avx512_bf16-intel or other: the kernels (and so bf16 rounding) differ
+    between them (on Intel the packed-GGUF bf16 tiles start at more rows than on AMD)."""
     try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), "").split()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        flags = []
+        lines = []
+    flags = next((line for line in lines if line.startswith("flags")), "").split()
+    intel = any(line.startswith("vendor_id") and "GenuineIntel" in line for line in lines)
     if "amx_tile" in flags:
         return "amx"
-    return "avx512_bf16" if "avx512_bf16" in flags else "other"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16-intel" if intel else "avx512_bf16"
+    return "other"
 
 
 # --- running ---

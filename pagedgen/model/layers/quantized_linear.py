@@ -40,9 +40,9 @@ def _cpu_vendor() -> str:
                  if line.startswith("vendor_id")), "")
 
 
-# bf16 rows: int8 kernels below, bf16 tiles from here (AVX-512 BF16). The crossover measured per
-# CPU kind (bench/GGUF_FIGURES.md): 4 rows on AMD Zen 4; 8 on Intel Xeon (Sapphire / Emerald
-# Rapids), where the int8 kernel is still 7-40% ahead at 4 rows.
+# bf16 rows: int8 kernels below, bf16 tiles from here (AVX-512 BF16). The crossover is measured
+# per CPU kind (bench/GGUF_FIGURES.md): 4 rows on AMD Zen 4; 8 on Intel Xeon (Sapphire /
+# Emerald Rapids), whose int8 kernel stays ahead of the tiles below 8 rows.
 BF16_TILES_MIN_ROWS = 8 if _cpu_vendor() == "GenuineIntel" else 4
 DEQUANTIZE_MIN_ROWS = 64  # without bf16 tiles: int8 kernels below, dequantize + GEMM from here
 DEQUANTIZE_MIN_ROWS_AFTER_TILES = 192  # with them: the tiles below, dequantize + GEMM from here
