@@ -4,15 +4,16 @@ Reference: gguf.quants.dequantize of the very same blocks (float64) times the ac
 given (float32, or bf16 -> float64), no quantization. Every kernel path this CPU can run is
 tested as its own library; a path the CPU has but that cannot be built FAILS (no fallback).
 
-The bound, derived from the one approximation the kernels make. Each activation block b of 32
-values is coded twice in int8: q1 = round(x / d_b) with d_b = amax_b / 127, then the remainder,
+The bound, derived from the one approximation the kernels make. Each activation span b is
+coded twice in int8: q1 = round(x / d_b) with d_b = amax_b / 127, then the remainder,
 q2 = round((x - d_b q1) / e_b) with e_b = d_b / 254; x is taken as e_b (254 q1 + q2), so
-|x_j - x^_j| <= e_b / 2 and
+|x_j - x^_j| <= e_b / 2. A span is 32 values, but 256 (a super-block) for the K-quants in the
+AVX-512 libraries, whose integer sums run over a whole super-block (span_of). Hence
 
     |y - y_ref| <= sum_j |w_j| e_b(j) / 2  +  (K/16 + 4) * 2^-23 * sum_j |w_j| |x_j|,
 
 the second term covering float32 rounding of the remainder and of the K/16 scaled partial
-sums (the int8 dot products themselves are exact). The check is worst-case, yet the broken variants below land
+sums (the integer dot products themselves are exact). The check is worst-case, yet the broken variants below land
 outside it, which shows the check has the power to catch them.
 
 The bf16 tile GEMM (libraries with AVX-512 BF16, bf16 activations) makes no approximation but
@@ -50,7 +51,7 @@ def runnable_paths() -> list[str]:
 def cases(kind: T, count: int = 4) -> list[tuple[int, int, int]]:
     """(M, N, K) sampled with a seed per type; the large M only with a small N."""
     rng = np.random.default_rng(int(kind))
-    shapes = SHAPES_256 if kind in (T.Q4_K, T.Q5_K, T.Q6_K) else SHAPES_32
+    shapes = SHAPES_256 if kind in K_QUANTS else SHAPES_32
     out = []
     for i in range(count):
         m = M_VALUES[(int(kind) + 3 * i) % len(M_VALUES)]
@@ -61,16 +62,24 @@ def cases(kind: T, count: int = 4) -> list[tuple[int, int, int]]:
     return out
 
 
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+SUPER_SPAN_PATHS = ("avx512_vnni", "avx512_bf16")  # K-quant activations stepped per 256
+
+
+def span_of(path: str, kind: T) -> int:
+    return 256 if path in SUPER_SPAN_PATHS and kind in K_QUANTS else 32
+
+
 def reference(blocks: np.ndarray, kind: T, x: torch.Tensor) -> np.ndarray:
     return x.double().numpy() @ dequantize(blocks, kind).astype(np.float64).T
 
 
-def bound(blocks: np.ndarray, kind: T, x: torch.Tensor) -> np.ndarray:
+def bound(blocks: np.ndarray, kind: T, x: torch.Tensor, span: int) -> np.ndarray:
     x64 = x.double().numpy()
     m, k = x64.shape
-    step = np.abs(x64).reshape(m, k // 32, 32).max(-1) / 127.0 / 254.0
+    step = np.abs(x64).reshape(m, k // span, span).max(-1) / 127.0 / 254.0
     weights = np.abs(dequantize(blocks, kind).astype(np.float64))
-    per_value = np.repeat(step / 2, 32, axis=1)
+    per_value = np.repeat(step / 2, span, axis=1)
     return per_value @ weights.T + (k / 16 + 4) * 2.0 ** -23 * (np.abs(x64) @ weights.T)
 
 
@@ -107,7 +116,7 @@ def test_gemm_matches_float64_reference(path: str, kind: T) -> None:
         x = activations(m, k, rng, torch.bfloat16 if index % 2 else torch.float32)
         got = kernels.gemm(library, int(kind), blocks, k, x, threads=2).double().numpy()
         error = np.abs(got - reference(blocks, kind, x))
-        excess = error - bound(blocks, kind, x)
+        excess = error - bound(blocks, kind, x, span_of(path, kind))
         assert excess.max() <= 0, (f"{kind.name} {path} M={m} N={n} K={k}: error "
                                    f"{error.max():.3g} beyond the bound by {excess.max():.3g}")
 
@@ -168,12 +177,13 @@ def test_row_and_column_remainders(path: str, kind: T) -> None:
         pytest.skip(f"this CPU cannot run the {path} path")
     library = kernels.load_path(path)
     rng = np.random.default_rng(200 + int(kind))
-    k = 1024 if kind in (T.Q4_K, T.Q5_K, T.Q6_K) else 96
+    k = 1024 if kind in K_QUANTS else 96
     blocks = random_blocks(kind, 7, k, rng)
     for index, m in enumerate((1, 2, 3, 4, 5, 6, 7, 131)):
         x = activations(m, k, rng, torch.bfloat16 if index % 2 else torch.float32)
         got = kernels.gemm(library, int(kind), blocks, k, x, threads=2).double().numpy()
-        excess = np.abs(got - reference(blocks, kind, x)) - bound(blocks, kind, x)
+        excess = (np.abs(got - reference(blocks, kind, x)) -
+                  bound(blocks, kind, x, span_of(path, kind)))
         assert excess.max() <= 0, f"{kind.name} {path} M={m}: beyond the bound by {excess.max():.3g}"
 
 
@@ -189,16 +199,17 @@ BREAKAGES = [(swap_nibble_halves, T.Q4_0), (swap_nibble_halves, T.Q4_1),
 def test_the_check_catches_broken_unpacking(breakage, kind: T) -> None:
     """A kernel computing from the broken blocks would fail the check: the right kernel's
     output lies outside the bound around the broken reference (at the model's shape)."""
-    library = kernels.load_path(runnable_paths()[-1])
+    path = runnable_paths()[-1]
+    library, span = kernels.load_path(path), span_of(path, kind)
     rng = np.random.default_rng(7)
-    k = 2048 if kind in (T.Q4_K, T.Q5_K, T.Q6_K) else 576
+    k = 2048 if kind in K_QUANTS else 576
     blocks = random_blocks(kind, 64, k, rng)
     x = activations(4, k, rng, torch.float32)
     got = kernels.gemm(library, int(kind), blocks, k, x).double().numpy()
-    assert (np.abs(got - reference(blocks, kind, x)) <= bound(blocks, kind, x)).all()
+    assert (np.abs(got - reference(blocks, kind, x)) <= bound(blocks, kind, x, span)).all()
     broken = breakage(blocks, kind)
     assert not np.array_equal(broken, blocks)
-    assert (np.abs(got - reference(broken, kind, x)) > bound(broken, kind, x)).any()
+    assert (np.abs(got - reference(broken, kind, x)) > bound(broken, kind, x, span)).any()
     tiles = [path for path in runnable_paths() if path in TILE_PATHS]
     if tiles:  # the same for the tiles' (much tighter) check
         x = x.to(torch.bfloat16)

@@ -3,6 +3,10 @@
  * two vpmaddwd. The same decodes as gguf_avx512.c, with compares and blends where that file
  * has mask registers. */
 
+/* Activation steps per 32 values for every type: the K-quants' integer super-block sums
+ * (gguf_avx512.c) would overflow eight int32 lanes on Q6_K, and are not built here. */
+#define SUPER_SPAN 32
+
 typedef struct {
     __m256i low, high;  /* values 0..15, 16..31 of a 32-block as int16 */
 } Block16x2;
@@ -55,27 +59,34 @@ static inline __m256i narrow16(__m256i first, __m256i second) {
     return _mm256_permute4x64_epi64(_mm256_packs_epi32(first, second), 0xD8);
 }
 
-static void quantize_wide_row(const void *x, int bf16, int64_t base, int64_t k, int16_t *value,
-                              float *step, float *sum) {
+/* The largest magnitude of x[base .. base + count), count a multiple of 32. */
+static float amax_of(const void *x, int bf16, int64_t base, int64_t count) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (int64_t block = 0; block < k / 32; block++) {
-        __m256 v[4];
-        for (int i = 0; i < 4; i++) v[i] = load8_x(x, bf16, base + 32 * block + 8 * i);
-        __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude),
-                                                 _mm256_and_ps(v[1], magnitude)),
-                                   _mm256_max_ps(_mm256_and_ps(v[2], magnitude),
-                                                 _mm256_and_ps(v[3], magnitude)));
-        float amax = max8_ps(top);
+    __m256 top = _mm256_setzero_ps();
+    for (int64_t at = 0; at < count; at += 8)
+        top = _mm256_max_ps(top, _mm256_and_ps(load8_x(x, bf16, base + at), magnitude));
+    return max8_ps(top);
+}
+
+/* One row of k values -> RESIDUAL q1 + q2 per value, one step per `span` values and the sum
+ * of each 32-block (this library's span is always 32: SUPER_SPAN). */
+static void quantize_wide_row(const void *x, int bf16, int64_t base, int64_t k, int span,
+                              int16_t *value, float *step, float *sum) {
+    for (int64_t group = 0; group < k / span; group++) {
+        float amax = amax_of(x, bf16, base + group * span, span);
         float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
         __m256 dv = _mm256_set1_ps(d), iv = _mm256_set1_ps(inverse);
-        __m256i c[4];
-        for (int i = 0; i < 4; i++) c[i] = two_codes(v[i], dv, iv);
-        _mm256_storeu_si256((__m256i *)(value + 32 * block), narrow16(c[0], c[1]));
-        _mm256_storeu_si256((__m256i *)(value + 32 * block + 16), narrow16(c[2], c[3]));
-        step[block] = d / (float)RESIDUAL;
-        int32_t total = sum8_epi32(_mm256_add_epi32(_mm256_add_epi32(c[0], c[1]),
-                                                    _mm256_add_epi32(c[2], c[3])));
-        sum[block] = step[block] * (float)total;
+        step[group] = d / (float)RESIDUAL;
+        for (int64_t block = group * (span / 32); block < (group + 1) * (span / 32); block++) {
+            __m256i c[4];
+            for (int i = 0; i < 4; i++)
+                c[i] = two_codes(load8_x(x, bf16, base + 32 * block + 8 * i), dv, iv);
+            _mm256_storeu_si256((__m256i *)(value + 32 * block), narrow16(c[0], c[1]));
+            _mm256_storeu_si256((__m256i *)(value + 32 * block + 16), narrow16(c[2], c[3]));
+            int32_t total = sum8_epi32(_mm256_add_epi32(_mm256_add_epi32(c[0], c[1]),
+                                                        _mm256_add_epi32(c[2], c[3])));
+            sum[block] = step[group] * (float)total;
+        }
     }
 }
 
@@ -204,7 +215,7 @@ static void row_factors(int type, const uint8_t *w, RowFactors *f) {
         }
         int64_t first = 8 * super;
         for (int m = 0; m < f->batch; m++) {
-            __m256 step = _mm256_loadu_ps(f->step + m * f->blocks + first);
+            __m256 step = _mm256_loadu_ps(f->step + m * f->steps + first);
             _mm256_storeu_ps(f->factor + m * f->blocks + first, _mm256_mul_ps(scale, step));
             if (with_offset)
                 offset_acc[m] = _mm256_fmadd_ps(

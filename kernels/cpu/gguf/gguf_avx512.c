@@ -1,6 +1,9 @@
 /* The AVX-512 vector code of the register kernel (gguf_registers.c, which includes this file
  * and describes the design): a 32-block is one 512-bit vector of int16, one vpmaddwd. */
 
+/* Activation steps per 256 values for the K-quants (run_super_pass), per 32 for the others. */
+#define SUPER_SPAN 256
+
 /* ---- activations ------------------------------------------------------------------------- */
 
 static inline __m512 load16_x(const void *x, int bf16, int64_t index) {
@@ -25,21 +28,33 @@ static inline __m512i two_codes(__m512 values, __m512 d, __m512 inverse) {
                             clamp127(_mm512_cvtps_epi32(rest)));
 }
 
-static void quantize_wide_row(const void *x, int bf16, int64_t base, int64_t k, int16_t *value,
-                              float *step, float *sum) {
+/* The largest magnitude of x[base + from .. base + from + count), count a multiple of 32. */
+static float amax_of(const void *x, int bf16, int64_t base, int64_t count) {
     const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-    for (int64_t block = 0; block < k / 32; block++) {
-        __m512 low = load16_x(x, bf16, base + 32 * block);
-        __m512 high = load16_x(x, bf16, base + 32 * block + 16);
-        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(low, magnitude),
-                                                        _mm512_and_ps(high, magnitude)));
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t at = 0; at < count; at += 16)
+        top = _mm512_max_ps(top, _mm512_and_ps(load16_x(x, bf16, base + at), magnitude));
+    return _mm512_reduce_max_ps(top);
+}
+
+/* One row of k values -> RESIDUAL q1 + q2 per value, one step per `span` values (32, or 256
+ * for the K-quants' integer sums: gguf_registers.c) and the sum of each 32-block. */
+static void quantize_wide_row(const void *x, int bf16, int64_t base, int64_t k, int span,
+                              int16_t *value, float *step, float *sum) {
+    for (int64_t group = 0; group < k / span; group++) {
+        float amax = amax_of(x, bf16, base + group * span, span);
         float d = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
         __m512 dv = _mm512_set1_ps(d), iv = _mm512_set1_ps(inverse);
-        __m512i first = two_codes(low, dv, iv), second = two_codes(high, dv, iv);
-        _mm256_storeu_si256((__m256i *)(value + 32 * block), _mm512_cvtepi32_epi16(first));
-        _mm256_storeu_si256((__m256i *)(value + 32 * block + 16), _mm512_cvtepi32_epi16(second));
-        step[block] = d / (float)RESIDUAL;
-        sum[block] = step[block] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(first, second));
+        step[group] = d / (float)RESIDUAL;
+        for (int64_t block = group * (span / 32); block < (group + 1) * (span / 32); block++) {
+            __m512i first = two_codes(load16_x(x, bf16, base + 32 * block), dv, iv);
+            __m512i second = two_codes(load16_x(x, bf16, base + 32 * block + 16), dv, iv);
+            _mm256_storeu_si256((__m256i *)(value + 32 * block), _mm512_cvtepi32_epi16(first));
+            _mm256_storeu_si256((__m256i *)(value + 32 * block + 16),
+                                _mm512_cvtepi32_epi16(second));
+            sum[block] = step[group] *
+                         (float)_mm512_reduce_add_epi32(_mm512_add_epi32(first, second));
+        }
     }
 }
 
@@ -104,104 +119,125 @@ static inline __m512i decode_block(int type, const uint8_t *b, int index) {
     }
 }
 
-/* ---- per-block factors: weight scale x activation step, and the offset terms -------------- */
+/* ---- per-super-block factors of the K-quants ----------------------------------------------- */
 
-static inline __mmask16 first_lanes(int64_t count) {
-    return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
-}
-
-/* scale[16] (and offset[16]) of 16 blocks from b on -> factors and offset sums. */
-static inline void add_factors(RowFactors *f, int64_t b, __mmask16 lanes, __m512 scale,
-                               __m512 offset, __m512 offset_acc[ROW_BATCH], int with_offset) {
-    for (int m = 0; m < f->batch; m++) {
-        __m512 step = _mm512_maskz_loadu_ps(lanes, f->step + m * f->blocks + b);
-        _mm512_mask_storeu_ps(f->factor + m * f->blocks + b, lanes, _mm512_mul_ps(scale, step));
-        if (with_offset)
-            offset_acc[m] = _mm512_fmadd_ps(
-                offset, _mm512_maskz_loadu_ps(lanes, f->sum + m * f->blocks + b), offset_acc[m]);
-    }
-}
-
-/* Q4_K/Q5_K: the 8 scales and 8 mins of a super-block as 16 floats [scales, mins]. */
-static inline __m512 k4_scales_mins(const uint8_t *packed) {
-    uint8_t bytes[16];
-    k4_scales_mins_bytes(packed, bytes);
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes)));
-}
-
-/* K-quants: per super-block, its 8 sub-block scales (d x 6-bit scale; Q6_K: d, its int8
- * scales are in the codes) and offsets (-dmin x 6-bit min). */
-static void k_block_factors(int type, const uint8_t *w, RowFactors *f,
-                            __m512 offset_acc[ROW_BATCH]) {
-    int size = block_bytes(type), with_offset = has_offset(type);
-    for (int64_t super = 0; super < f->blocks / 8; super++) {
-        const uint8_t *b = w + super * size;
-        __m512 scale, offset = _mm512_setzero_ps();
-        if (type == T_Q6_K) {
-            scale = _mm512_set1_ps(half_to_float(b + 208));
-        } else {  /* lanes 0-7 scales x d, lanes 8-15 mins x -dmin */
-            __m512 both = _mm512_mul_ps(k4_scales_mins(b + 4), _mm512_insertf32x8(
-                _mm512_set1_ps(half_to_float(b)), _mm256_set1_ps(-half_to_float(b + 2)), 1));
-            scale = both;
-            offset = _mm512_shuffle_f32x4(both, both, 0xEE);
-        }
-        add_factors(f, 8 * super, 0xFF, scale, offset, offset_acc, with_offset);
-    }
-}
-
+/* K-quants, per super-block: its d times each activation row's step (the factor of the
+ * super-block's integer sum), the offsets (-dmin x 6-bit min) dotted with the rows' 32-block
+ * sums, and the Q4_K/Q5_K 6-bit sub-block scales for the pass, as int16 pairs (Q6_K's int8
+ * scales are applied by decode_block). */
 static void row_factors(int type, const uint8_t *w, RowFactors *f) {
-    __m512 offset_acc[ROW_BATCH];
-    for (int m = 0; m < ROW_BATCH; m++) offset_acc[m] = _mm512_setzero_ps();
-    if (type >= T_Q4_K) k_block_factors(type, w, f, offset_acc);
-
-    for (int m = 0; m < f->batch; m++) f->offset_dot[m] = _mm512_reduce_add_ps(offset_acc[m]);
+    const int size = block_bytes(type), with_offset = has_offset(type);
+    const int64_t supers = f->blocks / 8;
+    __m256 offset_acc[ROW_BATCH];
+    for (int m = 0; m < ROW_BATCH; m++) offset_acc[m] = _mm256_setzero_ps();
+    for (int64_t super = 0; type >= T_Q4_K && super < supers; super++) {
+        const uint8_t *b = w + super * size;
+        float d;
+        if (type == T_Q6_K) {
+            d = half_to_float(b + 208);
+        } else {
+            uint8_t bytes[16];
+            k4_scales_mins_bytes(b + 4, bytes);
+            for (int j = 0; j < 8; j++) f->scales[8 * super + j] = (int32_t)bytes[j] * 0x10001;
+            d = half_to_float(b);
+            __m256 offset = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8)))),
+                _mm256_set1_ps(-half_to_float(b + 2)));
+            for (int m = 0; with_offset && m < f->batch; m++)
+                offset_acc[m] = _mm256_fmadd_ps(
+                    offset, _mm256_loadu_ps(f->sum + m * f->blocks + 8 * super), offset_acc[m]);
+        }
+        for (int m = 0; m < f->batch; m++)
+            f->factor[m * supers + super] = d * f->step[m * f->steps + super];
+    }
+    for (int m = 0; m < f->batch; m++) {
+        __m128 folded = _mm_add_ps(_mm256_castps256_ps128(offset_acc[m]),
+                                   _mm256_extractf128_ps(offset_acc[m], 1));
+        folded = _mm_add_ps(folded, _mm_movehl_ps(folded, folded));
+        f->offset_dot[m] = _mm_cvtss_f32(_mm_add_ss(folded, _mm_movehdup_ps(folded)));
+    }
 }
 
-/* ---- the pass: ROW_GROUP weight rows x `batch` activation rows --------------------------- */
+/* ---- the passes: ROW_GROUP weight rows x `batch` activation rows -------------------------- */
 
+/* The 32-value types: per block, the multiply-adds, one conversion and one FMA by the weight's
+ * scale times the activation's step (and the min times the block's sum). */
 static inline __attribute__((always_inline)) void run_pass(int type, int batch, const Pass *p,
                                                            float out[ROW_GROUP][ROW_BATCH]) {
-    const int per = type >= T_Q4_K ? 8 : 1;  /* 32-blocks per stored block */
     const int size = block_bytes(type);
     const int64_t blocks = p->k / 32;
     __m512 acc[ROW_GROUP][ROW_BATCH];
     for (int r = 0; r < ROW_GROUP; r++)
         for (int m = 0; m < batch; m++) acc[r][m] = _mm512_setzero_ps();
-    for (int64_t stored = 0; stored < blocks / per; stored++) {
-        prefetch_ahead(p, stored, size);
-#pragma GCC unroll 8
-        for (int j = 0; j < per; j++) {
-            int64_t block = stored * per + j;
-            __m512i w[ROW_GROUP];
-            __m512 scale[ROW_GROUP], min[ROW_GROUP];
-            for (int r = 0; r < ROW_GROUP; r++) {
-                const uint8_t *b = p->rows[r] + stored * size;
-                w[r] = decode_block(type, b, j);
-                if (per == 1 && has_offset(type)) {  /* fp16 d then m: [d, m, d, m, ...] */
-                    __m512 pair = _mm512_cvtph_ps(_mm256_set1_epi32((int)load_u32(b)));
-                    scale[r] = _mm512_moveldup_ps(pair);
-                    min[r] = _mm512_movehdup_ps(pair);
-                } else if (per == 1) {  /* fp16 d */
-                    scale[r] = _mm512_cvtph_ps(_mm256_set1_epi16((short)(b[0] | b[1] << 8)));
-                }
-            }
-            for (int m = 0; m < batch; m++) {
-                __m512i v = _mm512_loadu_si512(p->value + m * p->k + 32 * block);
-                for (int r = 0; r < ROW_GROUP; r++) {
-                    __m512 dot = _mm512_cvtepi32_ps(_mm512_madd_epi16(w[r], v));
-                    if (per > 1) {  /* the row's factors were computed beforehand */
-                        float f = p->factor[(r * batch + m) * blocks + block];
-                        acc[r][m] = _mm512_fmadd_ps(dot, _mm512_set1_ps(f), acc[r][m]);
-                        continue;
-                    }
-                    __m512 f = _mm512_mul_ps(scale[r], _mm512_set1_ps(p->step[m * blocks + block]));
-                    acc[r][m] = _mm512_fmadd_ps(dot, f, acc[r][m]);
-                    if (has_offset(type))  /* m x the block's activation sum, in lane 0 only */
-                        acc[r][m] = _mm512_mask3_fmadd_ps(
-                            min[r], _mm512_set1_ps(p->sum[m * blocks + block]), acc[r][m], 1);
-                }
+    for (int64_t block = 0; block < blocks; block++) {
+        prefetch_ahead(p, block, size);
+        __m512i w[ROW_GROUP];
+        __m512 scale[ROW_GROUP], min[ROW_GROUP];
+        for (int r = 0; r < ROW_GROUP; r++) {
+            const uint8_t *b = p->rows[r] + block * size;
+            w[r] = decode_block(type, b, 0);
+            if (has_offset(type)) {  /* fp16 d then m: [d, m, d, m, ...] */
+                __m512 pair = _mm512_cvtph_ps(_mm256_set1_epi32((int)load_u32(b)));
+                scale[r] = _mm512_moveldup_ps(pair);
+                min[r] = _mm512_movehdup_ps(pair);
+            } else {  /* fp16 d */
+                scale[r] = _mm512_cvtph_ps(_mm256_set1_epi16((short)(b[0] | b[1] << 8)));
             }
         }
+        for (int m = 0; m < batch; m++) {
+            __m512i v = _mm512_loadu_si512(p->value + m * p->k + 32 * block);
+            for (int r = 0; r < ROW_GROUP; r++) {
+                __m512 dot = _mm512_cvtepi32_ps(_mm512_madd_epi16(w[r], v));
+                __m512 f = _mm512_mul_ps(scale[r], _mm512_set1_ps(p->step[m * blocks + block]));
+                acc[r][m] = _mm512_fmadd_ps(dot, f, acc[r][m]);
+                if (has_offset(type))  /* m x the block's activation sum, in lane 0 only */
+                    acc[r][m] = _mm512_mask3_fmadd_ps(
+                        min[r], _mm512_set1_ps(p->sum[m * blocks + block]), acc[r][m], 1);
+            }
+        }
+    }
+    for (int r = 0; r < ROW_GROUP; r++)
+        for (int m = 0; m < batch; m++) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+/* The K-quants, on activations with one step per super-block: each sub-block's codes times
+ * its integer scale (Q4_K/Q5_K's 6-bit one here, Q6_K's int8 ones in decode_block) go into
+ * one int32 sum per super-block by vpdpwssd, converted and scaled once per super-block, where
+ * the 32-value types pay a conversion and an FMA per block. No int32 lane overflows: a lane
+ * sums 16 products of at most 32 x 128 (Q6_K) times 254 x 127 + 127, 2,122,137,600 < 2^31. */
+static inline __attribute__((always_inline)) void run_super_pass(
+    int type, int batch, const Pass *p, float out[ROW_GROUP][ROW_BATCH]) {
+    const int size = block_bytes(type);
+    const int64_t blocks = p->k / 32, supers = p->k / 256;
+    __m512 acc[ROW_GROUP][ROW_BATCH];
+    for (int r = 0; r < ROW_GROUP; r++)
+        for (int m = 0; m < batch; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t stored = 0; stored < supers; stored++) {
+        prefetch_ahead(p, stored, size);
+        __m512i sums[ROW_GROUP][ROW_BATCH];
+        for (int r = 0; r < ROW_GROUP; r++)
+            for (int m = 0; m < batch; m++) sums[r][m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            __m512i w[ROW_GROUP];
+            for (int r = 0; r < ROW_GROUP; r++) {
+                w[r] = decode_block(type, p->rows[r] + stored * size, j);
+                if (type != T_Q6_K)
+                    w[r] = _mm512_mullo_epi16(w[r], _mm512_set1_epi32(
+                                                  p->scales[r * blocks + 8 * stored + j]));
+            }
+            for (int m = 0; m < batch; m++) {
+                __m512i v = _mm512_loadu_si512(p->value + m * p->k + 256 * stored + 32 * j);
+                for (int r = 0; r < ROW_GROUP; r++)
+                    sums[r][m] = _mm512_dpwssd_epi32(sums[r][m], w[r], v);
+            }
+        }
+        for (int r = 0; r < ROW_GROUP; r++)
+            for (int m = 0; m < batch; m++)
+                acc[r][m] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(sums[r][m]),
+                    _mm512_set1_ps(p->factor[r * batch * blocks + m * supers + stored]),
+                    acc[r][m]);
     }
     for (int r = 0; r < ROW_GROUP; r++)
         for (int m = 0; m < batch; m++) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);

@@ -55,6 +55,7 @@ enum {  /* ggml's type numbers, as stored in the file */
 #define TILE_ROWS 8  /* weight rows unpacked together; their codes stay in L1 across x's rows */
 #define RESIDUAL 254  /* second activation code's step: the first's / RESIDUAL */
 #define SMALL_PRODUCT (1 << 18)  /* multiply-adds below which one thread does the whole GEMM */
+enum { SPANS_BLOCKS = 1, SPANS_SUPERS = 2 };  /* activation spans to quantize (gguf_registers.c) */
 
 const char *gguf_path_name(void) { return GGUF_PATH; }
 
@@ -338,11 +339,17 @@ static Activations activations_at(void *scratch, int64_t m_rows, int64_t k) {
 /* Team functions (team_ops.h's convention: every thread of the region calls them, the work is
  * shared out inside, they end in a barrier), as gguf_registers.c has them. */
 static void quantize_rows_team(const void *x, int x_bf16, int64_t x_stride, int64_t m_rows,
-                               int64_t k, const Activations *a) {
+                               int64_t k, const Activations *a, int spans) {
+    (void)spans;  /* one kind of activation rows serves every type here */
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < m_rows; m++)
         quantize_row(x, x_bf16, m * x_stride, k, a->q + 2 * m * k, a->scales + m * (k / 32),
                      a->sums + m * (k / 16));
+}
+
+static int spans_for(int type) {
+    (void)type;
+    return SPANS_BLOCKS;
 }
 
 /* 0 where this thread could not allocate its tile (its tiles are skipped). */
@@ -396,7 +403,7 @@ static int gemm_quantized(int type, const uint8_t *w, int64_t row_bytes, const i
     int status = 0;
 #pragma omp parallel num_threads(threads)
     {  /* one region: quantize x, then (after the barrier) the products */
-        quantize_rows_team(x, x_bf16, x_stride, m_rows, k, &a);
+        quantize_rows_team(x, x_bf16, x_stride, m_rows, k, &a, spans_for(type));
         if (!products_team(type, w, row_bytes, row_map, n_rows, k, &a, m_rows, y, y_stride)) {
 #pragma omp atomic write
             status = 2;
@@ -529,7 +536,9 @@ void gguf_linear_team(const GgufProjection *p, const uint16_t *x, int64_t x_stri
     const int tiles = 0;
 #endif
     Activations a = activations_at(acts, m_rows, p->k);
-    if (!tiles) quantize_rows_team(x, 1, x_stride, m_rows, p->k, &a);
+    int spans = 0;
+    for (int i = 0; i < p->num_parts; i++) spans |= spans_for(p->parts[i].type);
+    if (!tiles) quantize_rows_team(x, 1, x_stride, m_rows, p->k, &a, spans);
     int ok = 1;
     int64_t column = 0;
     for (int i = 0; i < p->num_parts; i++) {

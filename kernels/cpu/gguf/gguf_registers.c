@@ -22,6 +22,10 @@
  *    and one FMA by the block's factor (weight scale x activation step). The 32-value types
  *    read their fp16 d (and m) in the loop; the K-quants' 6-bit scales and mins are decoded
  *    per super-block into factors and one offset dot per row beforehand;
+ *  - except the K-quants in the AVX-512 libraries: their activations take one step per
+ *    super-block of 256 (still two codes per value), the sub-block's integer scale multiplies
+ *    the codes (vpmullw), and vpdpwssd sums the whole super-block in int32, so the conversion
+ *    and the FMA come once per 256 values instead of once per 32 (run_super_pass);
  *  - ROW_GROUP weight rows by ROW_BATCH activation rows per pass: a decoded block serves
  *    ROW_BATCH activation rows, a loaded activation block serves ROW_GROUP weight rows.
  */
@@ -42,8 +46,9 @@
 
 typedef struct {
     int16_t *value;  /* M x K: RESIDUAL q1 + q2 */
-    float *step;     /* M x K/32: d / RESIDUAL, the activation's unit */
-    float *sum;      /* M x K/32: step * (sum of the block's values) */
+    float *step;     /* M x K/span: d / RESIDUAL, the activation's unit */
+    float *sum;      /* M x K/32: step * (sum of the 32-block's values) */
+    int span;        /* values per step: 32, or SUPER_SPAN for the K-quants */
 } WideRows;
 
 static inline uint32_t load_u32(const uint8_t *p) {
@@ -60,17 +65,20 @@ static int has_offset(int type) {
  * factor[m * blocks + b] = the row's scale of block b times row m's step, and
  * offset_dot[m] = sum over blocks of the row's offset times row m's block sum. */
 typedef struct {
-    const float *step, *sum;  /* the batch's first activation row; row stride `blocks` */
+    const float *step, *sum;  /* the batch's first activation row; row strides `steps`, `blocks` */
     int batch;
-    int64_t blocks;
+    int64_t blocks, steps;
     float *factor;
+    int32_t *scales;  /* [blocks]: Q4_K/Q5_K sub-block scales for a super-block pass */
     float offset_dot[ROW_BATCH];
 } RowFactors;
 
 typedef struct {
     const uint8_t *rows[ROW_GROUP];
     const uint8_t *ahead[ROW_GROUP];  /* rows PREFETCH_GROUPS groups on, read from memory now */
-    const float *factor;  /* [ROW_GROUP][batch][K/32]: weight scale x activation step */
+    const float *factor;  /* [ROW_GROUP][batch][K/32]: weight scale x activation step
+                           * (per super-block in a super-block pass) */
+    const int32_t *scales;  /* [ROW_GROUP][K/32]: RowFactors.scales */
     const int16_t *value; /* the first activation row of the batch */
     const float *step, *sum;  /* their steps and block sums */
     int64_t k;
@@ -181,6 +189,18 @@ static void decode_row_values(int type, const uint8_t *row, int64_t k, void *out
     default: run_pass(T, ROW_BATCH, p, out); return;       \
     }
 
+#if SUPER_SPAN > 32
+#define K_PASS_BATCHES(T)                                  \
+    switch (batch) {                                       \
+    case 1: run_super_pass(T, 1, p, out); return;          \
+    case 2: run_super_pass(T, 2, p, out); return;          \
+    case 3: run_super_pass(T, 3, p, out); return;          \
+    default: run_super_pass(T, ROW_BATCH, p, out); return; \
+    }
+#else
+#define K_PASS_BATCHES(T) PASS_BATCHES(T)
+#endif
+
 static void dispatch_pass(int type, int batch, const Pass *p, float out[ROW_GROUP][ROW_BATCH]) {
     switch (type) {
     case T_Q4_0: PASS_BATCHES(T_Q4_0)
@@ -188,23 +208,25 @@ static void dispatch_pass(int type, int batch, const Pass *p, float out[ROW_GROU
     case T_Q5_0: PASS_BATCHES(T_Q5_0)
     case T_Q5_1: PASS_BATCHES(T_Q5_1)
     case T_Q8_0: PASS_BATCHES(T_Q8_0)
-    case T_Q4_K: PASS_BATCHES(T_Q4_K)
-    case T_Q5_K: PASS_BATCHES(T_Q5_K)
-    case T_Q6_K: PASS_BATCHES(T_Q6_K)
+    case T_Q4_K: K_PASS_BATCHES(T_Q4_K)
+    case T_Q5_K: K_PASS_BATCHES(T_Q5_K)
+    case T_Q6_K: K_PASS_BATCHES(T_Q6_K)
     }
 }
 
 /* Output columns first..first+ROW_GROUP-1 (fewer at the end: the last row stands in for the
  * missing ones and its extra results are dropped) for every activation row. factor: scratch
- * of ROW_GROUP x ROW_BATCH x K/32 floats. */
+ * of ROW_GROUP x ROW_BATCH x K/32 floats; scales: ROW_GROUP x K/32. */
 static void column_group(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
                         int64_t n_rows, int64_t first, int64_t k, const WideRows *a,
-                        int64_t m_rows, float *y, int64_t y_stride, float *factor) {
-    int64_t blocks = k / 32;
+                        int64_t m_rows, float *y, int64_t y_stride, float *factor,
+                        int32_t *scales) {
+    int64_t blocks = k / 32, steps = k / a->span;
     int rows = (int)(n_rows - first < ROW_GROUP ? n_rows - first : ROW_GROUP);
     Pass p;
     p.k = k;
     p.factor = factor;
+    p.scales = scales;
     int64_t ahead = first + PREFETCH_GROUPS * ROW_GROUP;
     for (int r = 0; r < ROW_GROUP; r++) {
         p.rows[r] = weight_row(w, row_bytes, row_map, first + (r < rows ? r : rows - 1));
@@ -214,12 +236,12 @@ static void column_group(int type, const uint8_t *w, int64_t row_bytes, const in
         int batch = (int)(m_rows - m0 < ROW_BATCH ? m_rows - m0 : ROW_BATCH);
         RowFactors f[ROW_GROUP];
         for (int r = 0; r < ROW_GROUP; r++) {
-            f[r] = (RowFactors){a->step + m0 * blocks, a->sum + m0 * blocks, batch, blocks,
-                                factor + r * batch * blocks, {0}};
+            f[r] = (RowFactors){a->step + m0 * steps, a->sum + m0 * blocks, batch, blocks, steps,
+                                factor + r * batch * blocks, scales + r * blocks, {0}};
             row_factors(type, p.rows[r], &f[r]);
         }
         p.value = a->value + m0 * k;
-        p.step = a->step + m0 * blocks;
+        p.step = a->step + m0 * steps;
         p.sum = a->sum + m0 * blocks;
         float out[ROW_GROUP][ROW_BATCH];
         dispatch_pass(type, batch, &p, out);
@@ -236,29 +258,51 @@ static int64_t chunk_rows(int64_t k) {
 
 /* Rows m0.. of the quantized activations. */
 static WideRows rows_from(const WideRows *a, int64_t m0, int64_t k) {
-    WideRows view = {a->value + m0 * k, a->step + m0 * (k / 32), a->sum + m0 * (k / 32)};
+    WideRows view = {a->value + m0 * k, a->step + m0 * (k / a->span), a->sum + m0 * (k / 32),
+                     a->span};
     return view;
 }
 
-/* The activation rows' two codes in a (its arrays hold m_rows rows), the rows shared out
- * among the team (team_ops.h's convention: every thread of the region calls it; it ends in a
- * barrier). */
+/* The activations of either span: the K-quants' passes sum a whole super-block in integers,
+ * so their activation rows need one step per super-block (SUPER_SPAN values); the 32-value
+ * types keep one per block, the finer grain. A projection quantizes the spans its parts use. */
+typedef struct {
+    WideRows blocks, supers;
+} Activations;
+
+static const WideRows *rows_for(int type, const Activations *a) {
+    return SUPER_SPAN > 32 && type >= T_Q4_K ? &a->supers : &a->blocks;
+}
+
+static int spans_for(int type) {
+    return SUPER_SPAN > 32 && type >= T_Q4_K ? SPANS_SUPERS : SPANS_BLOCKS;
+}
+
+/* The activation rows' two codes in a, at the spans asked for (SPANS_*; its arrays hold
+ * m_rows rows), the rows shared out among the team (team_ops.h's convention: every thread of
+ * the region calls it; it ends in a barrier). */
 static void quantize_rows_team(const void *x, int x_bf16, int64_t x_stride, int64_t m_rows,
-                               int64_t k, const WideRows *a) {
-    int64_t blocks = k / 32;
+                               int64_t k, const Activations *a, int spans) {
+    const WideRows *kinds[2] = {&a->blocks, &a->supers};
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < m_rows; m++)
-        quantize_wide_row(x, x_bf16, m * x_stride, k, a->value + m * k, a->step + m * blocks,
-                          a->sum + m * blocks);
+        for (int i = 0; i < 2; i++) {
+            const WideRows *rows = kinds[i];
+            if (!(spans & (1 << i)) || k % rows->span) continue;
+            quantize_wide_row(x, x_bf16, m * x_stride, k, rows->span, rows->value + m * k,
+                              rows->step + m * (k / rows->span), rows->sum + m * (k / 32));
+        }
 }
 
 /* y's n_rows columns from quantized activation rows, the column groups shared out among the
  * team. Returns 0 where this thread could not allocate its scratch (its groups are skipped). */
 static int products_team(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
-                         int64_t n_rows, int64_t k, const WideRows *a, int64_t m_rows, float *y,
-                         int64_t y_stride) {
+                         int64_t n_rows, int64_t k, const Activations *acts, int64_t m_rows,
+                         float *y, int64_t y_stride) {
+    const WideRows *a = rows_for(type, acts);
     int64_t chunk = chunk_rows(k);
-    float *factor = malloc(sizeof(float) * (size_t)(ROW_GROUP * ROW_BATCH * (k / 32)));
+    float *factor = malloc(sizeof(float) * (size_t)((ROW_GROUP * ROW_BATCH + ROW_GROUP) * (k / 32)));
+    int32_t *scales = (int32_t *)(factor + ROW_GROUP * ROW_BATCH * (k / 32));
     const int ok = factor != NULL;
     for (int64_t m0 = 0; m0 < m_rows; m0 += chunk) {
         int64_t rows = m_rows - m0 < chunk ? m_rows - m0 : chunk;
@@ -266,24 +310,31 @@ static int products_team(int type, const uint8_t *w, int64_t row_bytes, const in
 #pragma omp for schedule(static)
         for (int64_t first = 0; first < n_rows; first += ROW_GROUP)
             if (ok) column_group(type, w, row_bytes, row_map, n_rows, first, k, &part, rows,
-                                y + m0 * y_stride, y_stride, factor);
+                                y + m0 * y_stride, y_stride, factor, scales);
     }
     free(factor);
     return ok;
 }
 
-typedef WideRows Activations;  /* gguf_gemm.c's name for either library's quantized rows */
-
-/* Bytes of activation scratch for m_rows rows of K values (WideRows, each array 64-aligned). */
+/* Bytes of activation scratch for m_rows rows of K values (both spans' WideRows, each array
+ * 64-aligned). */
 static int64_t activation_bytes(int64_t m_rows, int64_t k) {
-    return m_rows * k * 2 + 2 * m_rows * (k / 32) * 4 + 3 * 64;
+    return 2 * (m_rows * k * 2 + 2 * m_rows * (k / 32) * 4 + 3 * 64);
+}
+
+static WideRows wide_rows_at(uintptr_t *at, int64_t m_rows, int64_t k, int span) {
+    WideRows rows;
+    rows.value = next_array(at, m_rows * k * 2);
+    rows.step = next_array(at, m_rows * (k / 32) * 4);
+    rows.sum = next_array(at, m_rows * (k / 32) * 4);
+    rows.span = span;
+    return rows;
 }
 
 static Activations activations_at(void *scratch, int64_t m_rows, int64_t k) {
     uintptr_t at = (uintptr_t)scratch;
     Activations a;
-    a.value = next_array(&at, m_rows * k * 2);
-    a.step = next_array(&at, m_rows * (k / 32) * 4);
-    a.sum = next_array(&at, m_rows * (k / 32) * 4);
+    a.blocks = wide_rows_at(&at, m_rows, k, 32);
+    a.supers = wide_rows_at(&at, m_rows, k, SUPER_SPAN);
     return a;
 }
