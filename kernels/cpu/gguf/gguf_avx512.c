@@ -138,8 +138,12 @@ static void row_factors(int type, const uint8_t *w, RowFactors *f) {
         } else {
             uint8_t bytes[16];
             k4_scales_mins_bytes(b + 4, bytes);
-            for (int j = 0; j < 8; j++) f->scales[8 * super + j] = (int32_t)bytes[j] * 0x10001;
             d = half_to_float(b);
+            /* in vectors: this runs once per super-block and weight row, as often as the
+             * pass's own work at one activation row, and a scalar loop measured slower */
+            __m256i scales = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));
+            _mm256_storeu_si256((__m256i *)(f->scales + 8 * super),
+                                _mm256_or_si256(scales, _mm256_slli_epi32(scales, 16)));
             __m256 offset = _mm256_mul_ps(
                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8)))),
                 _mm256_set1_ps(-half_to_float(b + 2)));
@@ -214,9 +218,12 @@ static inline __attribute__((always_inline)) void run_super_pass(
         for (int m = 0; m < batch; m++) acc[r][m] = _mm512_setzero_ps();
     for (int64_t stored = 0; stored < supers; stored++) {
         prefetch_ahead(p, stored, size);
+        /* One activation row alone alternates two sums per weight row (odd and even blocks):
+         * a single chain of vpdpwssd per row waits on its latency. */
+        const int chains = batch == 1 ? 2 : batch;
         __m512i sums[ROW_GROUP][ROW_BATCH];
         for (int r = 0; r < ROW_GROUP; r++)
-            for (int m = 0; m < batch; m++) sums[r][m] = _mm512_setzero_si512();
+            for (int m = 0; m < chains; m++) sums[r][m] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             __m512i w[ROW_GROUP];
@@ -228,10 +235,13 @@ static inline __attribute__((always_inline)) void run_super_pass(
             }
             for (int m = 0; m < batch; m++) {
                 __m512i v = _mm512_loadu_si512(p->value + m * p->k + 256 * stored + 32 * j);
+                const int chain = batch == 1 ? (j & 1) : m;
                 for (int r = 0; r < ROW_GROUP; r++)
-                    sums[r][m] = _mm512_dpwssd_epi32(sums[r][m], w[r], v);
+                    sums[r][chain] = _mm512_dpwssd_epi32(sums[r][chain], w[r], v);
             }
         }
+        if (batch == 1)
+            for (int r = 0; r < ROW_GROUP; r++) sums[r][0] = _mm512_add_epi32(sums[r][0], sums[r][1]);
         for (int r = 0; r < ROW_GROUP; r++)
             for (int m = 0; m < batch; m++)
                 acc[r][m] = _mm512_fmadd_ps(
