@@ -104,7 +104,7 @@ def test_fused_decode_is_bit_identical_to_the_layers(model, kv_cache_dtype):
 
 def test_fused_decode_on_gguf_blocks_is_bit_identical_to_the_layers(tmp_path):
     """Packed GGUF projections (q/k read through a row map, Q4_0/Q4_1/Q5_0/Q8_0 parts): decode
-    batches on the int8 kernel (fewer rows than BF16_TILES_MIN_ROWS) and on the bf16 tiles
+    batches on the int8 kernel (fewer rows than tiles_min_rows()) and on the bf16 tiles
     where the library has them; from the dequantize crossover on, the layers run."""
     loaded = load_model(str(write_quantized_gguf(tmp_path / "q.gguf")), dtype=torch.bfloat16,
                         device="cpu", weights="packed")

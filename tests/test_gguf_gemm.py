@@ -289,10 +289,11 @@ def test_the_team_projection_is_the_layer_path_bit_for_bit(path: str) -> None:
         row_map = torch.from_numpy(rng.permutation(rows)) if kind == T.Q4_K else None
         parts.append(ql.QuantizedPart(int(kind), blocks, row_map, rows))
     weight = ql.QuantizedWeight(tuple(parts), k, library)
+    tiles_from = ql.tiles_min_rows(p.tensor_type for p in parts)
     described = team.projection([(p.tensor_type, p.blocks, p.row_map, p.out_features)
-                                 for p in parts], k, ql.BF16_TILES_MIN_ROWS)
+                                 for p in parts], k, tiles_from)
     bias = torch.randn(weight.out_features).to(torch.bfloat16)
-    for m in (1, 3, ql.BF16_TILES_MIN_ROWS, 17, ql.dequantize_min_rows(library) - 1):
+    for m in (1, 3, tiles_from, 17, ql.dequantize_min_rows(library) - 1):
         x = torch.randn(m, k).to(torch.bfloat16)
         for with_bias in (None, bias):
             want = ql.quantized_linear(x, weight, with_bias)

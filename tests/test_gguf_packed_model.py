@@ -129,7 +129,7 @@ def test_large_row_counts_dequantize_and_agree(tmp_path):
 
 
 def test_middle_row_counts_compute_the_dequantized_bf16_product(tmp_path):
-    """Where the library has bf16 tiles, bf16 rows between BF16_TILES_MIN_ROWS and the
+    """Where the library has bf16 tiles, bf16 rows between tiles_min_rows() and the
     dequantize crossover get the dequantized bf16 path's product (float32 summation order
     aside), each part of a stacked projection in its own columns."""
     path = write_quantized_gguf(tmp_path / "q.gguf")
@@ -138,13 +138,14 @@ def test_middle_row_counts_compute_the_dequantized_bf16_product(tmp_path):
     weight = decoder.layers[1].attention.qkv_packed
     if not gguf_kernels.has_bf16_tiles(weight.library):
         pytest.skip(f"the {weight.library.path} library has no bf16 tiles")
-    rows = torch.randn(ql.BF16_TILES_MIN_ROWS + 3, weight.in_features).to(torch.bfloat16)
+    tiles_from = ql.tiles_min_rows(part.tensor_type for part in weight.parts)
+    rows = torch.randn(tiles_from + 3, weight.in_features).to(torch.bfloat16)
     got = ql.quantized_linear(rows, weight, out_dtype=torch.float32).double()
     dense = ql.dequantized(weight, torch.bfloat16).double()
     want = rows.double() @ dense.T
     bound = (weight.in_features / 16 + 4) * 2.0 ** -23 * (rows.double().abs() @ dense.abs().T)
     assert ((got - want).abs() <= bound).all()
-    below = rows[:ql.BF16_TILES_MIN_ROWS - 1]
+    below = rows[:tiles_from - 1]
     int8 = ql.quantized_linear(below, weight, out_dtype=torch.float32).double()
     assert not ((int8 - below.double() @ dense.T).abs() <= bound[:below.shape[0]]).all()
 

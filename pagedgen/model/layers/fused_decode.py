@@ -31,8 +31,8 @@ from pagedgen.kernels.cpu.decode_step_structs import (ACTIVATIONS, GEMM_KINDS, N
                                                      SCRATCH, DecodeKVGroup, DecodeLayerWeights,
                                                      DecodeModelShape, DecodeStepBuffers)
 from pagedgen.model.layers.linear import MAX_ROWS
-from pagedgen.model.layers.quantized_linear import (BF16_TILES_MIN_ROWS, QuantizedWeight,
-                                                    dequantize_min_rows)
+from pagedgen.model.layers.quantized_linear import (QuantizedWeight, dequantize_min_rows,
+                                                    tiles_min_rows)
 from pagedgen.model.layers.rope import split_rope_rows
 
 if TYPE_CHECKING:
@@ -259,7 +259,8 @@ def _projection_address(packed, projections: list[gguf_team.GgufProjection]) -> 
         return None
     described = gguf_team.projection(
         [(part.tensor_type, part.blocks, part.row_map, part.out_features)
-         for part in packed.parts], packed.in_features, BF16_TILES_MIN_ROWS)
+         for part in packed.parts], packed.in_features,
+        tiles_min_rows(part.tensor_type for part in packed.parts))
     if described is None:
         return None
     projections.append(described)

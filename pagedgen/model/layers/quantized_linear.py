@@ -7,9 +7,10 @@ another order (row_map): that is how llama.cpp's permuted Q/K rows are put back 
 transformers' order without copying the tensor.
 
 Three kernels, chosen by the number of rows (bench/bench_gguf_gemm.py measures the crossovers):
- - few rows: the int8 kernels (kernels/cpu/gguf: activations quantized per block of 32, int8
-   dot products, weight blocks decoded in registers);
- - bf16 activations from BF16_TILES_MIN_ROWS rows on, where the library has AVX-512 BF16: the
+ - few rows: the int8 kernels (kernels/cpu/gguf: activations quantized in two int8 codes per
+   value with a step per 32 values, or per 256 for the K-quants, integer dot products, weight
+   blocks decoded in registers);
+ - bf16 activations from tiles_min_rows() rows on, where the library has AVX-512 BF16: the
    bf16 tile GEMM (a few weight rows decoded to bf16 in cache, then run against every row),
    which computes what the dequantized bf16 path computes;
  - from dequantize_min_rows() on: the weight dequantized to bf16 for the call and the dense
@@ -41,11 +42,24 @@ def _cpu_vendor() -> str:
 
 
 # bf16 rows: int8 kernels below, bf16 tiles from here (AVX-512 BF16). The crossover is measured
-# per CPU kind (bench/GGUF_FIGURES.md): 4 rows on AMD Zen 4; 8 on Intel Xeon (Sapphire /
-# Emerald Rapids), whose int8 kernel stays ahead of the tiles below 8 rows.
-BF16_TILES_MIN_ROWS = 8 if _cpu_vendor() == "GenuineIntel" else 4
+# per CPU kind (bench/GGUF_FIGURES.md): 4 rows on AMD Zen 4; on Intel Xeon (Sapphire / Emerald
+# Rapids) 8, and 24 for projections of K-quants only, whose int8 kernel sums whole
+# super-blocks in integers and stays ahead of the tiles longer there. AMD's K-quant crossover
+# is not yet measured since that kernel changed, so it keeps the 4 it had.
+_INTEL = _cpu_vendor() == "GenuineIntel"
+BF16_TILES_MIN_ROWS = 8 if _INTEL else 4
+BF16_TILES_MIN_ROWS_K_QUANTS = 24 if _INTEL else 4
+K_QUANTS = frozenset({12, 13, 14})  # ggml's Q4_K, Q5_K, Q6_K
 DEQUANTIZE_MIN_ROWS = 64  # without bf16 tiles: int8 kernels below, dequantize + GEMM from here
 DEQUANTIZE_MIN_ROWS_AFTER_TILES = 192  # with them: the tiles below, dequantize + GEMM from here
+
+
+def tiles_min_rows(tensor_types) -> int:
+    """Rows from which a projection of these parts' types runs the bf16 tiles: one figure for
+    the whole projection, so that the fused decode step makes the same choice as the layers."""
+    if all(tensor_type in K_QUANTS for tensor_type in tensor_types):
+        return BF16_TILES_MIN_ROWS_K_QUANTS
+    return BF16_TILES_MIN_ROWS
 
 
 def dequantize_min_rows(library: gguf_kernels.GgufLibrary) -> int:
@@ -98,7 +112,8 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         out = F.linear(rows.to(torch.bfloat16), dequantized(weight, torch.bfloat16))
     else:
         out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
-        tiles_from = 0 if weight.invariant else BF16_TILES_MIN_ROWS
+        tiles_from = 0 if weight.invariant else tiles_min_rows(
+            part.tensor_type for part in weight.parts)
         column = 0
         for part in weight.parts:
             gguf_kernels.gemm(weight.library, part.tensor_type, part.blocks, weight.in_features,
