@@ -97,15 +97,20 @@ def bench_prefill_chunk(iters: int, kv_dtypes: list[str]) -> None:
     kernel = native.prefill_attention_path(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)
     dispatch = {"bf16": native.prefill_attention, "q8": native.prefill_attention_q8}
 
-    def timed(fn, path_on: bool):
+    timed_form = native.prefill_attention_form()
+
+    def timed(fn, path_on: bool, form: int = timed_form):
         def run():
             native.prefill_attention = dispatch["bf16"] if path_on else lambda *a: False
             native.prefill_attention_q8 = dispatch["q8"] if path_on else lambda *a: False
+            native.prefill_attention_form(form)
             fn()
         return run
 
-    fns = {("auto", on): timed(lambda: cpu_backend.paged_attention(*args, scale, plan=plan), on)
-           for on in (True, False)}
+    bf16_chunk = lambda: cpu_backend.paged_attention(*args, scale, plan=plan)  # noqa: E731
+    fns = {("auto", on): timed(bf16_chunk, on) for on in (True, False)}
+    if kernel.startswith("AVX-512 BF16"):  # both forms, whichever this CPU takes
+        fns[("other form", True)] = timed(bf16_chunk, True, 1 - timed_form)
     for name in kv_dtypes:
         k, v, ks, vs = quantized_pool(batch, name)
         q_args = (args[0], k, v, *args[3:], scale)
@@ -117,8 +122,14 @@ def bench_prefill_chunk(iters: int, kv_dtypes: list[str]) -> None:
         ms = interleaved_medians(fns, iters)
     finally:
         native.prefill_attention, native.prefill_attention_q8 = dispatch["bf16"], dispatch["q8"]
+        native.prefill_attention_form(timed_form)
     bf16_native = ms[("auto", True)]
     print(f"prefill chunk 512/6000, {kernel}, median of {iters} (round-robin):")
+    if ("other form", True) in ms:
+        other = ms[("other form", True)]
+        names = ("VDPBF16PS", "float32 FMA")
+        print(f"  forms     {names[timed_form]} (taken) {bf16_native:8.1f} ms   "
+              f"{names[1 - timed_form]} {other:8.1f} ms   other/taken {other / bf16_native:5.2f}x")
     for name in ["auto", *kv_dtypes]:
         fast, slow = ms[(name, True)], ms[(name, False)]
         label = "bf16" if name == "auto" else name

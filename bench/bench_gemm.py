@@ -3,6 +3,7 @@ BF16, whichever this CPU runs), oneDNN on a pre-packed weight (what pagedgen use
 no AMX) and F.linear on the plain weight.
 
     python bench/bench_gemm.py [--threads 1,2] [--rows 1,8,16,32,64,128,256,512] [--repeats 7]
+                               [--shapes qkv,...,qkv_1b,gate_up_1b,down_1b] [--forms]
 
 Shapes: SmolLM2-135M's projections (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536)
 and its LM head (49152x576). Every timing is one call as the model makes it (output allocated,
@@ -27,23 +28,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers.cpu_info import cpu_info  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
-          "lm_head": (49152, 576)}
+          "lm_head": (49152, 576),
+          # Llama-3.2-1B's (not in the default list)
+          "qkv_1b": (3072, 2048), "gate_up_1b": (16384, 2048), "down_1b": (2048, 8192)}
 MIN_SAMPLE_S = 0.004  # calls per sample so that one sample lasts at least this long
 
 
-def contenders(out_features: int, in_features: int, kind: str):
+def contenders(out_features: int, in_features: int, kind: str, forms: bool = False,
+               taken: int = 0):
+    """Each GEMM as a function of x; forms: the AVX-512 kernel's VDPBF16PS-only form too,
+    where this CPU takes (`taken` = 1) its float32 form for many rows ("ours" is then that)."""
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
               ).to(torch.bfloat16)
     ours_packed = native.gemm_pack(weight)
     kernel = native.amx_linear if kind == "amx" else native.avx512_linear
     onednn_packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # the model's rows hint
-    return {
-        "ours": lambda x: kernel(x, ours_packed, out_features),
+
+    def in_form(form: int):
+        def run(x):
+            native.avx512_linear_form(form)
+            return kernel(x, ours_packed, out_features)
+        return run
+
+    fns = {
+        "ours": in_form(taken),
         "oneDNN": lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn_packed, None, "none",
                                                                [], ""),
         "F.linear": lambda x: F.linear(x, weight),
     }
+    if forms and kind == "avx512" and taken == 1:
+        fns["VDPBF16PS"] = in_form(0)
+    return fns
 
 
 def calls_per_sample(fn, x) -> int:
@@ -74,11 +90,18 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,16,32,64,128,256,512")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--forms", action="store_true",
+                        help="also the AVX-512 kernel's VDPBF16PS form where this CPU takes "
+                             "its float32 form for many rows")
     args = parser.parse_args()
     kind = native.gemm_kind()
     if kind is None:
         raise SystemExit("no native GEMM here (needs AMX or AVX-512 BF16 and a C compiler)")
     rows_list = [int(r) for r in args.rows.split(",")]
+    taken = native.avx512_linear_form()  # as timed on this CPU, before any call sets it
+    if kind == "avx512" and taken:
+        wide = native.load().avx512_linear_wide_min_rows()
+        kind += f" (float32 FMA form from {wide} rows: VDPBF16PS multiplies slower here)"
     print(f"{cpu_info().summary()}; our kernel: {kind}; dtype bfloat16; median of {args.repeats}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     for threads in (int(t) for t in args.threads.split(",")):
@@ -90,7 +113,7 @@ def main() -> None:
         crossover = {}
         for name in args.shapes.split(","):
             n, k = SHAPES[name]
-            fns = contenders(n, k, kind)
+            fns = contenders(n, k, native.gemm_kind(), args.forms, taken)
             crossover[name] = 0
             for m in rows_list:
                 x = torch.randn(m, k).to(torch.bfloat16)
@@ -101,6 +124,10 @@ def main() -> None:
                       f"{gflops['ours']:9.1f} {gflops['oneDNN']:7.1f} {gflops['F.linear']:7.1f} | "
                       f"{t['oneDNN'] / t['ours']:11.2f} {t['F.linear'] / t['ours']:10.2f}",
                       flush=True)
+                if "VDPBF16PS" in t:
+                    print(f"{'':<26} VDPBF16PS form {t['VDPBF16PS'] * 1e3:8.3f} ms "
+                          f"{2 * m * n * k / t['VDPBF16PS'] / 1e9:7.1f} GF/s, "
+                          f"it / ours {t['VDPBF16PS'] / t['ours']:5.2f}")
                 if t["ours"] <= min(t["oneDNN"], t["F.linear"]) and crossover[name] == m_prev(
                         rows_list, m):
                     crossover[name] = m

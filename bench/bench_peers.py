@@ -265,7 +265,8 @@ def header_lines(args, model_dir: Path, cpu: CpuInfo, gemm_flop_s: float,
         f"(unless the workload sets its own), kv_cache_dtype {args.kv_cache_dtype}, ignore_eos",
         f"model {model_dir}" + ("" if args.gguf is None else
                                 f"; GGUF engines ({', '.join(GGUF_ENGINES)}) run {args.gguf}"),
-        f"measured {args.dtype} GEMM {gemm_flop_s / 1e9:.0f} GFLOP/s (threads={args.threads}): "
+        f"measured {args.dtype} GEMM {gemm_flop_s / 1e9:.0f} GFLOP/s (threads={args.threads}"
+        + ("; the faster of bf16 and float32" if args.dtype == "bfloat16" else "") + "): "
         f"the compute bound's rate; memory copy_ {copy_bytes_s / 1e9:.1f} GB/s (read + write): "
         "the memory bound's rate",
         "throughputs are over the generate call; start-up = spawn -> engine ready; wall = spawn -> exit",

@@ -9,6 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import settings as hypothesis_settings  # noqa: E402
 
@@ -27,3 +28,27 @@ if _TESTS not in sys.path:
 
 # Two cores and pytest-xdist workers: one thread per worker is fastest and deterministic.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(params=[0, 1], ids=["vdpbf16ps", "float32-fma"])
+def each_prefill_form(request):
+    """Runs a test with each form of the AVX-512 BF16 prefill attention kernel (VDPBF16PS, and
+    float32 FMAs on widened K/V), whichever one this CPU's timing would pick."""
+    from pagedgen.kernels.cpu import native
+
+    taken = native.prefill_attention_form()
+    native.prefill_attention_form(request.param)
+    yield request.param
+    native.prefill_attention_form(taken)
+
+
+@pytest.fixture(params=[0, 1], ids=["vdpbf16ps", "float32-fma"])
+def each_gemm_form(request):
+    """Runs a test with each form of the AVX-512 BF16 GEMM (VDPBF16PS only, and float32 FMAs
+    on widened inputs for calls of many rows), whichever one this CPU's timing would pick."""
+    from pagedgen.kernels.cpu import native
+
+    taken = native.avx512_linear_form()
+    native.avx512_linear_form(request.param)
+    yield request.param
+    native.avx512_linear_form(taken)

@@ -11,6 +11,8 @@ from gemm_cases import gemm_case, reference_linear
 has_avx512_bf16 = native.load() is not None and bool(native.load().avx512_bf16_available())
 needs_avx512_bf16 = pytest.mark.skipif(not has_avx512_bf16,
                                        reason="no AVX-512 BF16 on this CPU (or no C compiler)")
+# every test here runs each form of the kernel, on any CPU that has it
+pytestmark = pytest.mark.usefixtures("each_gemm_form")
 
 # SmolLM2-135M's projections (qkv, o, gate_up, down) and shapes with 1, 3 (one whole column
 # group) and 5 (a group and a partial one) 16-column blocks.
@@ -69,13 +71,20 @@ def test_reads_strided_rows():
 
 @needs_avx512_bf16
 def test_a_row_gets_the_same_bits_in_any_batch():
-    # Each row's sums run in the same order whatever M is (batch-invariant by construction).
-    x, weight, bias = gemm_case(37, 96, 128, seed=5)
+    # Each row's sums run in the same order whatever M is (batch-invariant by construction),
+    # within each form: below the float32 form's row count, and from it on.
+    wide = native.load().avx512_linear_wide_min_rows()
+    x, weight, bias = gemm_case(wide + 5, 96, 128, seed=5)
     packed = native.gemm_pack(weight)
     batch = native.avx512_linear(x, packed, 96, bias)
-    for row in (0, 8, 23, 36):
+    for row in (0, 8, 23, wide + 4):
         alone = native.avx512_linear(x[row:row + 1], packed, 96, bias)
-        assert torch.equal(alone[0], batch[row])
+        few = native.avx512_linear(x[row:row + 3], packed, 96, bias)
+        assert torch.equal(alone[0], few[0])
+        in_another_batch = native.avx512_linear(x.roll(3, 0), packed, 96, bias)
+        assert torch.equal(in_another_batch[(row + 3) % (wide + 5)], batch[row])
+    if native.avx512_linear_form() == 0:  # one form at every row count
+        assert torch.equal(native.avx512_linear(x[:1], packed, 96, bias)[0], batch[0])
 
 
 @needs_avx512_bf16

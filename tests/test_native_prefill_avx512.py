@@ -10,6 +10,9 @@ import torch
 from pagedgen.kernels import reference
 from pagedgen.kernels.cpu import native
 
+# every test here runs each form of the AVX-512 BF16 kernel, on any CPU that has it
+pytestmark = pytest.mark.usefixtures("each_prefill_form")
+
 
 def _has_avx512_bf16() -> bool:
     cpuinfo = Path("/proc/cpuinfo")
@@ -99,9 +102,10 @@ def test_avx512_prefill_declines_what_it_does_not_cover():
 
 
 @needs_avx512_bf16
-def test_dispatch_reports_the_kernel_that_runs():
+def test_dispatch_reports_the_kernel_that_runs(each_prefill_form):
     amx = bool(_library().amx_available())
-    assert native.prefill_attention_path(9, 3, 64) == ("AMX" if amx else "AVX-512 BF16")
+    form = ", float32 FMA" if each_prefill_form else ""
+    assert native.prefill_attention_path(9, 3, 64) == ("AMX" if amx else "AVX-512 BF16" + form)
     assert native.prefill_attention_path(4, 2, 32) == "torch sdpa"
     query, k_cache, v_cache, blocks = _case(20, 90, 9, 3, 64, 16, seed=7)
     out = torch.empty(20, 9, 64, dtype=torch.bfloat16)

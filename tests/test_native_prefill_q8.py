@@ -15,6 +15,9 @@ from test_kv_quant import FORMAT_ATOL, FORMATS, dequantized, quantize_pool
 from test_native_prefill_avx512 import (_head_dim_64_model, assert_agree_up_to_near_ties,
                                         needs_avx512_bf16, shared_prefix_prompts)
 
+# every test here runs each form of the AVX-512 BF16 kernel, on any CPU that has it
+pytestmark = pytest.mark.usefixtures("each_prefill_form")
+
 # The kernel's error beyond the reference: P rounded to bf16 before P V and the bf16 output
 # (2^-9 relative each); the codes themselves are decoded exactly and scaled in float32.
 TOL = 1e-2

@@ -234,6 +234,7 @@ needs_prefill = pytest.mark.skipif(
 
 
 @needs_prefill
+@pytest.mark.usefixtures("each_prefill_form")
 @pytest.mark.parametrize("head_dim,group", SHAPES + [(256, 1), (256, 2)])
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_native_window_prefill_matches_reference(head_dim, group, block_size):
@@ -253,6 +254,7 @@ def test_native_window_prefill_matches_reference(head_dim, group, block_size):
 
 
 @needs_prefill
+@pytest.mark.usefixtures("each_prefill_form")
 @pytest.mark.parametrize("fmt_name", FORMATS)
 @pytest.mark.parametrize("head_dim,group", [(64, 1), (256, 4)])
 def test_native_window_prefill_on_8bit_pools(fmt_name, head_dim, group):
@@ -284,6 +286,7 @@ def _record_native_calls(monkeypatch) -> list[tuple[str, bool]]:
 
 
 @needs_prefill
+@pytest.mark.usefixtures("each_prefill_form")
 @pytest.mark.parametrize("fmt_name", [None, "int8"])
 def test_backend_window_attention_with_native_kernels(fmt_name, monkeypatch):
     # the whole dispatch: decodes and prefill chunks of one step, bf16, poisoned blocks

@@ -31,8 +31,12 @@ def kernel_paths(llm) -> list[str]:
     config = llm.loaded.config
     prefill = (native.prefill_attention_path(config.num_heads, config.num_kv_heads, config.head_dim)
                if llm.loaded.dtype == torch.bfloat16 else "torch sdpa")
+    wide = (f" (float32 FMA form from {library.avx512_linear_wide_min_rows()} rows)"
+            if library is not None and "avx512" in projections and native.avx512_linear_form()
+            else "")
     return [
-        "projections " + ", ".join(f"{kind} x{count}" for kind, count in projections.items()),
+        "projections " + ", ".join(f"{kind} x{count}" for kind, count in projections.items())
+        + wide,
         f"LM head {'F.linear' if head is None else head.kind}",
         "decode layers: one fused native call per step" if model.fused_decode is not None
         else "decode layers: layer by layer",

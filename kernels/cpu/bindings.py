@@ -72,6 +72,8 @@ FUNCTIONS = {f.name: f for f in (
     _function("amx_linear_bf16", _LINEAR),
     _function("avx512_bf16_available", ""),
     _function("avx512_linear_bf16", _LINEAR),
+    _function("avx512_linear_form", "int form"),
+    _function("avx512_linear_wide_min_rows", ""),
     _function("add_rms_norm_bf16",
               "ptr residual, ptr delta, ptr weight, ptr out, int64_t rows, int64_t dim, "
               "float eps, int num_threads"),
@@ -90,6 +92,7 @@ FUNCTIONS = {f.name: f for f in (
               "int codes, " + _PREFILL_TAIL),
     _function("prefill_attention_supported", _HEADS),
     _function("prefill_attention_avx512_supported", _HEADS),
+    _function("prefill_attention_avx512_form", "int form"),
     _function("decode_layers_bf16",
               "ptr layers, int num_layers, ptr shape, ptr buffers, int num_threads"),
     _function("rope_bf16",

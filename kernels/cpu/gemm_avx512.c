@@ -17,12 +17,24 @@
  * Each output row's sums run over the inputs in the same order whatever M is: a row gets the
  * same bits in every batch. Accumulation is float32; outputs are rounded to bfloat16 (nearest
  * even) after the bias, as the AMX kernel does.
+ *
+ * The float32 form: where VDPBF16PS multiplies slower than float32 FMAs (Intel Xeons without
+ * usable AMX: one VDPBF16PS per two cycles against two FMAs per cycle, timed once by
+ * x86_common.h), calls of WIDE_MIN_ROWS rows or more, where the arithmetic binds rather than
+ * the weight stream, widen instead: each micro-tile's x rows once into a thread's buffer
+ * (exact), each packed weight vector in registers into its even and odd inputs (a shift and a
+ * mask: bf16 is float32's upper half), and one FMA per input, row and column block. Its sums
+ * run in another order than VDPBF16PS's, so a row's bits are the same in every batch of
+ * WIDE_MIN_ROWS rows or more, and in every smaller one, not across the two. Batch-invariant
+ * mode calls with fixed row tiles, so it always takes one form.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gemm_common.h"
 #include "team_ops.h"
+#include "x86_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -34,6 +46,9 @@
 #endif
 #ifndef GROUP
 #define GROUP 3 /* C: 16-column blocks per micro-tile */
+#endif
+#ifndef WIDE_MIN_ROWS
+#define WIDE_MIN_ROWS 32 /* the float32 form from here (bench/bench_gemm.py --forms) */
 #endif
 
 ALWAYS_INLINE __m512bh x_pair(const uint16_t *x) { /* x[0], x[1] in every 32-bit lane */
@@ -71,12 +86,80 @@ ALWAYS_INLINE void micro_tile(const uint16_t *x, int64_t x_stride, const uint16_
                          (col_block + c) * 16);
 }
 
+/* Row stride of the float32 form's widened rows: k plus one cache line, so that a tile's rows
+ * do not all fall into one L1 set when k is a multiple of 1024. */
+#define WIDE_STRIDE(k) ((k) + 16)
+
+/* The float32 form of micro_tile: x_wide holds the R rows widened, WIDE_STRIDE(k) apart. */
+ALWAYS_INLINE void micro_tile_wide(const float *x_wide, const uint16_t *panel,
+                                   const uint16_t *next, int64_t pairs, const uint16_t *bias,
+                                   GemmOut out, int64_t row, int64_t col_block, int R, int C) {
+    const int64_t panel_elems = pairs * GEMM_PAIR_ELEMS, stride = WIDE_STRIDE(2 * pairs);
+    const __m512i odd = _mm512_set1_epi32((int)0xffff0000);
+    __m512 acc[8][GROUP];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512 even_w[GROUP], odd_w[GROUP];
+        for (int c = 0; c < C; c++) {
+            const __m512i w =
+                _mm512_loadu_si512(panel + c * panel_elems + p * GEMM_PAIR_ELEMS);
+            even_w[c] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+            odd_w[c] = _mm512_castsi512_ps(_mm512_and_si512(w, odd));
+        }
+        if (next)
+            for (int c = 0; c < C; c++)
+                _mm_prefetch((const char *)(next + c * panel_elems + p * GEMM_PAIR_ELEMS),
+                             _MM_HINT_T1);
+        for (int r = 0; r < R; r++) {
+            const __m512 x0 = _mm512_set1_ps(x_wide[r * stride + 2 * p]);
+            const __m512 x1 = _mm512_set1_ps(x_wide[r * stride + 2 * p + 1]);
+            for (int c = 0; c < C; c++)
+                acc[r][c] = _mm512_fmadd_ps(x1, odd_w[c], _mm512_fmadd_ps(x0, even_w[c], acc[r][c]));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            gemm_store16(acc[r][c], bias ? bias + (col_block + c) * 16 : NULL, out, row + r,
+                         (col_block + c) * 16);
+}
+
+/* Rows of x (bf16, x_stride apart) -> float32 rows of k values, WIDE_STRIDE(k) apart, exact. */
+static void widen_rows(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t k,
+                       float *wide) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < k; i += 16) {
+            const __m512i h = _mm512_cvtepu16_epi32(
+                _mm256_loadu_si256((const __m256i *)(x + r * x_stride + i)));
+            _mm512_storeu_ps(wide + r * WIDE_STRIDE(k) + i,
+                             _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+        }
+}
+
 /* Rows row..row+rows-1 of column blocks col_block..col_block+C-1: whole 8-row tiles, then the
  * rest. */
 ALWAYS_INLINE void column_group(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
                                 const uint16_t *next, int64_t pairs, const uint16_t *bias,
-                                GemmOut out, int64_t row, int64_t rows, int64_t col_block, int C) {
+                                GemmOut out, int64_t row, int64_t rows, int64_t col_block, int C,
+                                float *x_wide) {
     const int64_t end = row + rows;
+    if (x_wide) { /* the float32 form (its remainder rows too) */
+        for (; row < end; row += TILE_ROWS, next = NULL) {
+            const int R = end - row < TILE_ROWS ? (int)(end - row) : TILE_ROWS;
+            widen_rows(x + row * x_stride, x_stride, R, 2 * pairs, x_wide);
+            switch (R) { /* constant R: the sums stay in registers */
+            case 1: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 1, C); break;
+            case 2: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 2, C); break;
+            case 3: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 3, C); break;
+            case 4: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 4, C); break;
+            case 5: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 5, C); break;
+            case 6: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 6, C); break;
+            case 7: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 7, C); break;
+            default: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 8, C); break;
+            }
+        }
+        return;
+    }
     for (; row + TILE_ROWS <= end; row += TILE_ROWS, next = NULL)
         micro_tile(x + row * x_stride, x_stride, panel, next, pairs, bias, out, row, col_block,
                    TILE_ROWS, C);
@@ -95,18 +178,31 @@ ALWAYS_INLINE void column_group(const uint16_t *x, int64_t x_stride, const uint1
 
 static void full_group(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
                        const uint16_t *next, int64_t pairs, const uint16_t *bias, GemmOut out,
-                       int64_t row, int64_t rows, int64_t col_block) {
-    column_group(x, x_stride, panel, next, pairs, bias, out, row, rows, col_block, GROUP);
+                       int64_t row, int64_t rows, int64_t col_block, float *x_wide) {
+    column_group(x, x_stride, panel, next, pairs, bias, out, row, rows, col_block, GROUP,
+                 x_wide);
 }
 
 /* A narrower last group (N / 16 not a multiple of GROUP): one block at a time. */
 static void single_block(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
                          int64_t pairs, const uint16_t *bias, GemmOut out, int64_t row,
-                         int64_t rows, int64_t col_block) {
-    column_group(x, x_stride, panel, NULL, pairs, bias, out, row, rows, col_block, 1);
+                         int64_t rows, int64_t col_block, float *x_wide) {
+    column_group(x, x_stride, panel, NULL, pairs, bias, out, row, rows, col_block, 1, x_wide);
 }
 
 int avx512_bf16_available(void) { return 1; }
+
+/* Whether CPUs of this kind take the float32 form for large calls: -1 until first asked. */
+static int form_in_use = -1;
+
+/* form 0 (VDPBF16PS only) or 1 (float32 form from WIDE_MIN_ROWS rows) sets it, -1 times this
+ * CPU again, -2 only asks (timing at the first ask); returns the form in effect. */
+int avx512_linear_form(int form) {
+    if (form == -2) form = __atomic_load_n(&form_in_use, __ATOMIC_RELAXED);
+    if (form < 0) form = float32_fma_multiplies_faster();
+    __atomic_store_n(&form_in_use, form, __ATOMIC_RELAXED);
+    return form;
+}
 
 /* The shapes the packing takes: N % 16 == 0, K % 32 == 0; any M >= 1. */
 int avx512_linear_supported(int64_t m, int64_t n, int64_t k) {
@@ -118,7 +214,10 @@ int avx512_linear_supported(int64_t m, int64_t n, int64_t k) {
  * (many cores, narrow projections): a group's weights are then read by several threads. */
 static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                          const uint16_t *bias, GemmOut out, int64_t m, int64_t k, int me,
-                         int threads) {
+                         int threads, int wide) {
+    /* the float32 form's rows of one micro-tile; without the buffer (none asked for, or out
+     * of memory) the VDPBF16PS form, correct all the same */
+    float *x_wide = wide ? aligned_alloc(64, (size_t)TILE_ROWS * WIDE_STRIDE(k) * sizeof(float)) : NULL;
     const int64_t pairs = k / 2, panel_elems = pairs * GEMM_PAIR_ELEMS, blocks = out.n / 16;
     const int64_t groups = (blocks + GROUP - 1) / GROUP;
     const int64_t row_tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
@@ -137,12 +236,21 @@ static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *pa
                                    ? panel + GROUP * panel_elems
                                    : NULL;
         if (width == GROUP)
-            full_group(x, x_stride, panel, next, pairs, bias, out, row, rows, block);
+            full_group(x, x_stride, panel, next, pairs, bias, out, row, rows, block, x_wide);
         else
             for (int64_t b = 0; b < width; b++)
                 single_block(x, x_stride, panel + b * panel_elems, pairs, bias, out, row, rows,
-                             block + b);
+                             block + b, x_wide);
     }
+    free(x_wide);
+}
+
+int avx512_linear_wide_min_rows(void) { return WIDE_MIN_ROWS; }
+
+/* The form a call of m rows takes (the same in the team and alone, so that the fused decode
+ * step keeps the layer path's bits). */
+static int takes_wide_form(int64_t m) {
+    return m >= WIDE_MIN_ROWS && avx512_linear_form(-2) == 1;
 }
 
 /* avx512_linear_bf16 (bf16 output) for every thread of an enclosing OpenMP team
@@ -151,7 +259,7 @@ void avx512_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *pac
                         const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k) {
     const GemmOut rows = {out, n, 0, 0};
     linear_share(x, x_stride, packed, bias, rows, m, k, omp_get_thread_num(),
-                 omp_get_num_threads());
+                 omp_get_num_threads(), takes_wide_form(m));
 #pragma omp barrier
 }
 
@@ -163,10 +271,11 @@ int avx512_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *pack
                        int out_f32, int num_threads) {
     if (!avx512_linear_supported(m, n, k)) return 1;
     const GemmOut rows = {out, n, out_f32, gemm_streams(out, m, n, out_f32)};
+    const int wide = takes_wide_form(m);
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
     {
         linear_share(x, x_stride, packed, bias, rows, m, k, omp_get_thread_num(),
-                     omp_get_num_threads());
+                     omp_get_num_threads(), wide);
         if (rows.stream) _mm_sfence(); /* streamed lines visible before the region ends */
     }
     return 0;
@@ -175,6 +284,8 @@ int avx512_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *pack
 #else /* no AVX-512 BF16 at build time: callers keep oneDNN or F.linear */
 
 int avx512_bf16_available(void) { return 0; }
+int avx512_linear_form(int form) { return 0; }
+int avx512_linear_wide_min_rows(void) { return 0; }
 int avx512_linear_supported(int64_t m, int64_t n, int64_t k) { return 0; }
 void avx512_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                         const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k) {}

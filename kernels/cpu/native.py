@@ -259,16 +259,25 @@ def prefill_attention_q8(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 
 def prefill_attention_path(num_q_heads: int, num_kv_heads: int, head_dim: int) -> str:
-    """Which kernel runs bf16 prefill attention of this shape here: "AMX", "AVX-512 BF16", or
-    "torch sdpa" (the gather + SDPA fallback)."""
+    """Which kernel runs bf16 prefill attention of this shape here: "AMX", "AVX-512 BF16"
+    (VDPBF16PS), "AVX-512 BF16, float32 FMA" (where VDPBF16PS multiplies slower than float32
+    FMAs, as timed by the library), or "torch sdpa" (the gather + SDPA fallback)."""
     library = load()
     if library is None:
         return "torch sdpa"
     if library.prefill_attention_supported(num_q_heads, num_kv_heads, head_dim):
         return "AMX"
     if library.prefill_attention_avx512_supported(num_q_heads, num_kv_heads, head_dim):
-        return "AVX-512 BF16"
+        return "AVX-512 BF16" + (", float32 FMA" if prefill_attention_form() else "")
     return "torch sdpa"
+
+
+def prefill_attention_form(form: int = -2) -> int:
+    """The AVX-512 BF16 prefill kernel's form: 1 float32 FMAs on widened K/V, 0 VDPBF16PS.
+    -2 reads it (timed on this CPU at the first use), -1 times it again, 0 or 1 sets it (the
+    tests run each form on any CPU with AVX-512 BF16)."""
+    library = load()
+    return 0 if library is None else library.prefill_attention_avx512_form(form)
 
 
 def _supported(query, k_cache, v_cache, block_tables, seq_lens, out) -> bool:
@@ -374,6 +383,14 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     AMX; None (nothing computed) when the native path does not apply. out_dtype float32 gives
     the same bf16-rounded values widened (what `.float()` of the bf16 result would give)."""
     return _packed_linear("amx_linear_bf16", x, packed, out_features, bias, out_dtype)
+
+
+def avx512_linear_form(form: int = -2) -> int:
+    """The AVX-512 BF16 GEMM's form for calls of many rows: 1 float32 FMAs on widened inputs
+    (where VDPBF16PS multiplies slower), 0 VDPBF16PS only. -2 reads it (timed on this CPU at
+    the first use), -1 times it again, 0 or 1 sets it (the tests run each on any CPU)."""
+    library = load()
+    return 0 if library is None else library.avx512_linear_form(form)
 
 
 def avx512_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,

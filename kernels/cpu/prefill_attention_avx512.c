@@ -12,10 +12,17 @@
  *   - S^T = K Q^T: per key one vector of 16 scores, from the query block packed as dim pairs
  *     (lane r = q_r[2p], q_r[2p + 1]) times the key's pair broadcast from the cache row;
  *   - the online softmax is then lane-wise (row maxima and sums are plain vectors, no
- *     horizontal reductions), exp written out (x86_common.h), float32;
+ *     horizontal reductions), exp written out as 2^x (x86_common.h), float32;
  *   - P is rounded to bf16 (as the AMX kernel and GPU flash attention do) with the pairs of
  *     keys interleaved per lane, and O^T[d] += P pair . (V[k][d], V[k + 1][d]) broadcast, the
- *     V pairs packed once per 16 keys for all heads of the group; O^T rescaled in float32.
+ *     V pairs packed once per 16 keys for all heads of the group; O^T rescaled in float32,
+ *     and only when a row's maximum grew (past the first keys it rarely does).
+ * That is the VDPBF16PS form. Where VDPBF16PS multiplies slower than float32 FMAs (Intel
+ * Xeons without usable AMX: one issue per two cycles against two FMAs per cycle; timed once,
+ * x86_common.h) the float32 form runs instead: the queries, and each step's K and V rows once
+ * for all heads of the group, widened to float32 (exact), S^T by FMAs with the key's value
+ * broadcast, P kept in float32 and O^T[d] += P[k] x V[k][d] broadcast. Same loop, same online
+ * softmax; P is not rounded, so its results differ from the VDPBF16PS form's in low bits.
  * Layouts: q rows q_stride elements apart, heads and head_dim contiguous (a view of the fused
  * QKV output); K/V cache [N, block_size, H_kv, D]; out contiguous [q_len, H_q, D].
  *
@@ -54,6 +61,7 @@ typedef struct {
     int codes;          /* 0: bf16 pool; 1 int8, 2 fp8 e4m3, 3 fp8 e5m2 (kv_codes.h) */
     int window;         /* > 0: row at p sees keys in (p - window, p]; 0: keys 0..p */
     int heads_per_item; /* a divisor of the group (query heads per kv head) */
+    int wide;           /* 1: the float32 FMA form, 0: VDPBF16PS */
 } Chunk;
 
 /* One thread's state for a work item of `heads` (heads_per_item) query heads. */
@@ -64,6 +72,8 @@ typedef struct {
     uint32_t *v_pairs; /* [KEYS / 2][head_dim]: (V[2i][d], V[2i + 1][d]) of the step's keys */
     uint16_t *k_decoded, *v_decoded; /* [KEYS][head_dim]: the step's rows of an 8-bit pool */
     float *k_scale, *v_scale;        /* [KEYS]: their blocks' scales (times code_factor) */
+    float *q_wide;                   /* float32 form: [heads][head_dim][16] query rows in lanes */
+    float *k_wide, *v_wide;          /* float32 form: [KEYS][head_dim], the step's rows */
 } Scratch;
 
 static const uint16_t zero_row[MAX_DIM]; /* the rows past the context (masked anyway) */
@@ -161,13 +171,35 @@ ALWAYS_INLINE void pack_value_pairs(const uint16_t *const *v_rows, uint32_t *v_p
         }
 }
 
-/* One query head, 16 keys from key0: scores, online softmax, O^T update. An 8-bit pool's
- * (codes > 0) K scales multiply the scores, its V scales the weights. */
-ALWAYS_INLINE void attend_keys(const uint32_t *q, const uint16_t *const *k_rows,
-                               const uint32_t *v_pairs, const Scratch *scratch, int64_t key0,
-                               int64_t first_pos, int window, float scale, __m512 *max,
-                               __m512 *sum, float *out, int D, int codes) {
-    __m512 s[KEYS];
+/* The same rows as float32, one dim per vector (the float32 form). */
+static void pack_queries_wide(const Chunk *c, int first_head, int64_t row0, int64_t rows,
+                              Scratch *s) {
+    const int D = c->head_dim;
+    for (int h = 0; h < c->heads_per_item; h++) {
+        float *dst = s->q_wide + (int64_t)h * D * 16;
+        const int head = first_head + h;
+        for (int r = 0; r < 16; r++) {
+            const uint16_t *src = c->q + (row0 + r) * c->q_stride + (int64_t)head * D;
+            for (int d = 0; d < D; d++) {
+                const uint32_t bits = r < rows ? (uint32_t)src[d] << 16 : 0;
+                memcpy(dst + d * 16 + r, &bits, 4);
+            }
+        }
+    }
+}
+
+/* The step's KEYS rows (bf16) -> float32 rows (exact: bf16 is float32's upper half). */
+ALWAYS_INLINE void widen_rows(const uint16_t *const *rows, float *wide, int D) {
+    for (int k = 0; k < KEYS; k++)
+        for (int d = 0; d < D; d += 16) {
+            const __m512i halves = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rows[k] + d)));
+            _mm512_store_ps(wide + k * D + d, _mm512_castsi512_ps(_mm512_slli_epi32(halves, 16)));
+        }
+}
+
+/* S^T of one head and the step's keys, VDPBF16PS form: lane r of s[k] = q_r . key k. */
+ALWAYS_INLINE void scores_pairs(const uint32_t *q, const uint16_t *const *k_rows, __m512 *s,
+                                int D) {
     for (int k = 0; k < KEYS; k++) s[k] = _mm512_setzero_ps();
     for (int p = 0; p < D / 2; p++) {
         const __m512bh qv = (__m512bh)_mm512_load_si512(q + 16 * p);
@@ -175,6 +207,27 @@ ALWAYS_INLINE void attend_keys(const uint32_t *q, const uint16_t *const *k_rows,
         for (int k = 0; k < KEYS; k++)
             s[k] = _mm512_dpbf16_ps(s[k], qv, (__m512bh)_mm512_set1_epi32(pair_at(k_rows[k], p)));
     }
+}
+
+/* The same in float32: one FMA per dim and key, the key's value broadcast. */
+ALWAYS_INLINE void scores_wide(const float *q, const float *k_wide, __m512 *s, int D) {
+    for (int k = 0; k < KEYS; k++) s[k] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        const __m512 qv = _mm512_load_ps(q + 16 * d);
+#pragma GCC unroll 16
+        for (int k = 0; k < KEYS; k++)
+            s[k] = _mm512_fmadd_ps(qv, _mm512_set1_ps(k_wide[k * D + d]), s[k]);
+    }
+}
+
+/* The online softmax of one head over the step's scores s (lane = query row), in place: s[k]
+ * becomes key k's weight exp((s - max) * scale) (times its V scale for an 8-bit pool, whose
+ * K scales multiply the scores first), *max and *sum move on. Returns the factor that O^T
+ * must be multiplied by, and *rescale = 0 when no row's maximum grew (factor 1: the
+ * multiply is skipped, which changes no bit). */
+ALWAYS_INLINE __m512 softmax_step(__m512 *s, const Scratch *scratch, int64_t key0,
+                                  int64_t first_pos, int window, float scale, __m512 *max,
+                                  __m512 *sum, int codes, int *rescale) {
     if (codes)
         for (int k = 0; k < KEYS; k++)
             s[k] = _mm512_mul_ps(s[k], _mm512_set1_ps(scratch->k_scale[k]));
@@ -192,32 +245,46 @@ ALWAYS_INLINE void attend_keys(const uint32_t *q, const uint16_t *const *k_rows,
             keep[k] &= _mm512_cmplt_epi32_mask(lanes, _mm512_set1_epi32(distance + window));
         m = _mm512_mask_max_ps(m, keep[k], m, s[k]);
     }
-    const __m512 factor = _mm512_set1_ps(scale);
-    const __m512 alpha = exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(*max, m), factor));
+    /* exp((s - m) scale) = 2^(s f - m f), f = scale log2(e): one FMA per vector */
+    const __m512 factor = _mm512_set1_ps(scale * 1.44269504088896341f);
+    const __m512 shift = _mm512_mul_ps(m, factor);
+    *rescale = _mm512_cmp_ps_mask(m, *max, _CMP_NEQ_OQ) != 0;
+    const __m512 alpha = *rescale ? exp2_nonpositive(_mm512_fmsub_ps(*max, factor, shift))
+                                  : _mm512_set1_ps(1.0f);
     *max = m;
     __m512 block_sum = _mm512_setzero_ps();
+    for (int i = 0; i < KEYS / 2; i++) {
+        const __m512 e0 = _mm512_maskz_mov_ps(
+            keep[2 * i], exp2_nonpositive(_mm512_fmsub_ps(s[2 * i], factor, shift)));
+        const __m512 e1 = _mm512_maskz_mov_ps(
+            keep[2 * i + 1], exp2_nonpositive(_mm512_fmsub_ps(s[2 * i + 1], factor, shift)));
+        block_sum = _mm512_add_ps(block_sum, _mm512_add_ps(e0, e1));
+        s[2 * i] = e0;
+        s[2 * i + 1] = e1;
+    }
+    if (codes) /* P V = sum p (v_scale x code): the scale joins the weight */
+        for (int k = 0; k < KEYS; k++)
+            s[k] = _mm512_mul_ps(s[k], _mm512_set1_ps(scratch->v_scale[k]));
+    *sum = _mm512_fmadd_ps(*sum, alpha, block_sum);
+    return alpha;
+}
+
+/* O^T = O^T x alpha + P V, VDPBF16PS form: P rounded to bf16, key pairs interleaved per lane. */
+ALWAYS_INLINE void values_pairs(const __m512 *weights, const uint32_t *v_pairs, __m512 alpha,
+                                int rescale, float *out, int D) {
     __m512bh p[KEYS / 2];
     const __m512i interleave = _mm512_loadu_si512(pair_lanes);
     for (int i = 0; i < KEYS / 2; i++) {
-        __m512 e0 = _mm512_maskz_mov_ps(
-            keep[2 * i], exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(s[2 * i], m), factor)));
-        __m512 e1 = _mm512_maskz_mov_ps(
-            keep[2 * i + 1],
-            exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(s[2 * i + 1], m), factor)));
-        block_sum = _mm512_add_ps(block_sum, _mm512_add_ps(e0, e1));
-        if (codes) { /* P V = sum p (v_scale x code): the scale joins the weight */
-            e0 = _mm512_mul_ps(e0, _mm512_set1_ps(scratch->v_scale[2 * i]));
-            e1 = _mm512_mul_ps(e1, _mm512_set1_ps(scratch->v_scale[2 * i + 1]));
-        }
         /* [bf16(e0) | bf16(e1)] -> lane j = (e0[j], e1[j]), the even key in the low half */
-        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(weights[2 * i + 1], weights[2 * i]);
         p[i] = (__m512bh)_mm512_permutexvar_epi16(interleave, both);
     }
-    *sum = _mm512_fmadd_ps(*sum, alpha, block_sum);
     for (int d0 = 0; d0 < D; d0 += 16) {
         __m512 acc[16];
-        for (int j = 0; j < 16; j++)
-            acc[j] = _mm512_mul_ps(_mm512_load_ps(out + (d0 + j) * 16), alpha);
+        for (int j = 0; j < 16; j++) {
+            acc[j] = _mm512_load_ps(out + (d0 + j) * 16);
+            if (rescale) acc[j] = _mm512_mul_ps(acc[j], alpha);
+        }
         for (int i = 0; i < KEYS / 2; i++)
 #pragma GCC unroll 16
             for (int j = 0; j < 16; j++)
@@ -225,6 +292,45 @@ ALWAYS_INLINE void attend_keys(const uint32_t *q, const uint16_t *const *k_rows,
                                           (__m512bh)_mm512_set1_epi32(v_pairs[i * D + d0 + j]));
         for (int j = 0; j < 16; j++) _mm512_store_ps(out + (d0 + j) * 16, acc[j]);
     }
+}
+
+/* The same in float32: P as computed, one FMA per key and dim, V's value broadcast. Eight
+ * dims at a time, so the 16 weights and the accumulators stay in registers. */
+ALWAYS_INLINE void values_wide(const __m512 *weights, const float *v_wide, __m512 alpha,
+                               int rescale, float *out, int D) {
+    for (int d0 = 0; d0 < D; d0 += 8) {
+        __m512 acc[8];
+        for (int j = 0; j < 8; j++) {
+            acc[j] = _mm512_load_ps(out + (d0 + j) * 16);
+            if (rescale) acc[j] = _mm512_mul_ps(acc[j], alpha);
+        }
+        for (int k = 0; k < KEYS; k++)
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++)
+                acc[j] = _mm512_fmadd_ps(weights[k], _mm512_set1_ps(v_wide[k * D + d0 + j]),
+                                         acc[j]);
+        for (int j = 0; j < 8; j++) _mm512_store_ps(out + (d0 + j) * 16, acc[j]);
+    }
+}
+
+/* One query head, 16 keys from key0: scores, online softmax, O^T update, in the float32 form
+ * (wide) or the VDPBF16PS one. */
+ALWAYS_INLINE void attend_keys(int h, const uint16_t *const *k_rows, const Scratch *scratch,
+                               int64_t key0, int64_t first_pos, int window, float scale,
+                               int D, int codes, int wide) {
+    __m512 s[KEYS];
+    if (wide)
+        scores_wide(scratch->q_wide + (int64_t)h * D * 16, scratch->k_wide, s, D);
+    else
+        scores_pairs(scratch->q + (int64_t)h * D / 2 * 16, k_rows, s, D);
+    int rescale;
+    const __m512 alpha = softmax_step(s, scratch, key0, first_pos, window, scale,
+                                      &scratch->max[h], &scratch->sum[h], codes, &rescale);
+    float *out = scratch->out + (int64_t)h * D * 16;
+    if (wide)
+        values_wide(s, scratch->v_wide, alpha, rescale, out, D);
+    else
+        values_pairs(s, scratch->v_pairs, alpha, rescale, out, D);
 }
 
 /* O^T / sum of one head -> its rows of out (bf16). */
@@ -247,12 +353,15 @@ static void write_rows(const Chunk *c, int head, int64_t row0, int64_t rows, con
 
 /* 16 query rows (from `row0`) of query heads first_head .. + heads_per_item (one kv head's). */
 ALWAYS_INLINE void attend_item(const Chunk *c, int first_head, int64_t row0, Scratch *s, int D,
-                               int codes) {
+                               int codes, int wide) {
     const int heads = c->heads_per_item, kv = first_head / (c->num_q_heads / c->num_kv_heads);
     const int64_t rows = c->q_len - row0 < 16 ? c->q_len - row0 : 16;
     const int64_t first_pos = c->context_len - c->q_len + row0;
     const int64_t last_key = first_pos + rows - 1; /* causal limit of the item's last row */
-    pack_queries(c, first_head, row0, rows, s);
+    if (wide)
+        pack_queries_wide(c, first_head, row0, rows, s);
+    else
+        pack_queries(c, first_head, row0, rows, s);
     memset(s->out, 0, sizeof(float) * heads * D * 16);
     for (int h = 0; h < heads; h++) {
         s->max[h] = _mm512_set1_ps(-FLT_MAX); /* replaced by each row's first seen key */
@@ -263,11 +372,14 @@ ALWAYS_INLINE void attend_item(const Chunk *c, int first_head, int64_t row0, Scr
     const uint16_t *k_rows[KEYS], *v_rows[KEYS];
     for (int64_t key0 = first_key; key0 <= last_key; key0 += KEYS) {
         key_rows(c, key0, kv, s, k_rows, v_rows, D, codes);
-        pack_value_pairs(v_rows, s->v_pairs, D);
+        if (wide) { /* once for every head of the group */
+            widen_rows(k_rows, s->k_wide, D);
+            widen_rows(v_rows, s->v_wide, D);
+        } else {
+            pack_value_pairs(v_rows, s->v_pairs, D);
+        }
         for (int h = 0; h < heads; h++)
-            attend_keys(s->q + (int64_t)h * D / 2 * 16, k_rows, s->v_pairs, s, key0, first_pos,
-                        c->window, c->scale, &s->max[h], &s->sum[h],
-                        s->out + (int64_t)h * D * 16, D, codes);
+            attend_keys(h, k_rows, s, key0, first_pos, c->window, c->scale, D, codes, wide);
     }
     for (int h = 0; h < heads; h++)
         write_rows(c, first_head + h, row0, rows, s->out + (int64_t)h * D * 16, s->sum[h]);
@@ -278,7 +390,11 @@ typedef void (*AttendItem)(const Chunk *, int, int64_t, Scratch *);
 #define SPECIALISE(DIM, CODES)                                                              \
     static void attend_item_##DIM##_##CODES(const Chunk *c, int first_head, int64_t row0,   \
                                             Scratch *s) {                                   \
-        attend_item(c, first_head, row0, s, DIM, CODES);                                    \
+        attend_item(c, first_head, row0, s, DIM, CODES, 0);                                 \
+    }                                                                                       \
+    static void attend_wide_##DIM##_##CODES(const Chunk *c, int first_head, int64_t row0,   \
+                                            Scratch *s) {                                   \
+        attend_item(c, first_head, row0, s, DIM, CODES, 1);                                 \
     }
 #if PAGEDGEN_HAVE_KV_CODES
 #define ITEM_SHAPES(X) X(64, 0) X(128, 0) X(256, 0) X(64, 1) X(128, 1) X(256, 1) \
@@ -288,8 +404,10 @@ typedef void (*AttendItem)(const Chunk *, int, int64_t, Scratch *);
 #endif
 ITEM_SHAPES(SPECIALISE)
 
-static AttendItem pick(int head_dim, int codes) {
-#define CASE(DIM, CODES) if (head_dim == DIM && codes == CODES) return attend_item_##DIM##_##CODES;
+static AttendItem pick(int head_dim, int codes, int wide) {
+#define CASE(DIM, CODES)                        \
+    if (head_dim == DIM && codes == CODES)      \
+        return wide ? attend_wide_##DIM##_##CODES : attend_item_##DIM##_##CODES;
     ITEM_SHAPES(CASE)
 #undef CASE
     return NULL;
@@ -309,8 +427,10 @@ static void *make_scratch(int heads, int head_dim, Scratch *s) {
     const size_t out = (size_t)heads * head_dim * 16 * 4, q = (size_t)heads * head_dim / 2 * 16 * 4;
     const size_t stats = (size_t)heads * 64 * 2, pairs = (size_t)KEYS / 2 * head_dim * 4;
     const size_t decoded = (size_t)KEYS * head_dim * 2, scales = KEYS * 4;
+    const size_t q_wide = 2 * q, rows_wide = (size_t)KEYS * head_dim * 4;
     /* each a multiple of 64 */
-    char *buffer = aligned_alloc(64, out + q + stats + pairs + 2 * decoded + 2 * scales);
+    char *buffer = aligned_alloc(64, out + q + stats + pairs + 2 * decoded + 2 * scales +
+                                         q_wide + 2 * rows_wide);
     if (buffer == NULL) return NULL;
     s->out = (float *)buffer;
     s->q = (uint32_t *)(buffer + out);
@@ -321,6 +441,9 @@ static void *make_scratch(int heads, int head_dim, Scratch *s) {
     s->v_decoded = s->k_decoded + KEYS * head_dim;
     s->k_scale = (float *)(s->v_decoded + KEYS * head_dim);
     s->v_scale = s->k_scale + KEYS;
+    s->q_wide = (float *)(buffer + out + q + stats + pairs + 2 * decoded + 2 * scales);
+    s->k_wide = s->q_wide + (size_t)heads * head_dim * 16;
+    s->v_wide = s->k_wide + (size_t)KEYS * head_dim;
     return buffer;
 }
 
@@ -329,9 +452,22 @@ int prefill_attention_avx512_supported(int num_q_heads, int num_kv_heads, int he
            num_q_heads % num_kv_heads == 0;
 }
 
+/* Which form runs: -1 until first asked, then as timed (or as set for tests). */
+static int form_in_use = -1;
+
+/* form 0 (VDPBF16PS) or 1 (float32 FMA) sets it, -1 times this CPU again and takes what
+ * is faster, -2 only asks (timing at the first ask); returns the form that runs from now on. */
+int prefill_attention_avx512_form(int form) {
+    if (form == -2) form = __atomic_load_n(&form_in_use, __ATOMIC_RELAXED);
+    if (form < 0) form = float32_fma_multiplies_faster();
+    __atomic_store_n(&form_in_use, form, __ATOMIC_RELAXED);
+    return form;
+}
+
 /* The chunk's items over `threads`; 0 when done, 1 when unsupported or out of memory. */
 static int attend_chunk(Chunk c, int num_threads) {
-    const AttendItem attend = pick(c.head_dim, c.codes);
+    c.wide = prefill_attention_avx512_form(-2);
+    const AttendItem attend = pick(c.head_dim, c.codes, c.wide);
     if (attend == NULL ||
         !prefill_attention_avx512_supported(c.num_q_heads, c.num_kv_heads, c.head_dim) ||
         c.q_len < 1 || c.q_len > c.context_len || c.window < 0)
@@ -396,6 +532,8 @@ int prefill_attention_avx512_q8(const uint16_t *q, int64_t q_stride, const void 
 }
 
 #else /* no AVX-512 BF16 at build time: SDPA does it */
+
+int prefill_attention_avx512_form(int form) { return 0; }
 
 int prefill_attention_avx512_supported(int num_q_heads, int num_kv_heads, int head_dim) {
     return 0;

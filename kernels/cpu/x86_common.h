@@ -51,6 +51,66 @@ static inline __attribute__((always_inline)) __m512 exp_nonpositive(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* 2^x for x <= 0: 2^n * p(r) with x = n + r, |r| <= 1/2 (exact), p the degree-6 Taylor
+ * polynomial of e^(r ln2) (relative error ~1e-7). With the scale and log2(e) folded into one
+ * FMA before it, four instructions fewer than exp_nonpositive per vector; no clamp needed:
+ * r stays within 1/2 whatever x is, and 2^n underflows to 0. */
+static inline __attribute__((always_inline)) __m512 exp2_nonpositive(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f); /* ln2^6 / 720 */
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146428443e-3f)); /* ln2^5 / 120 */
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076284772e-3f)); /* ln2^4 / 24 */
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108664821580e-2f)); /* ln2^3 / 6 */
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650695910071e-1f)); /* ln2^2 / 2 */
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718055994531e-1f)); /* ln2 */
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Whether float32 FMAs on bf16 values widened to float32 multiply faster than VDPBF16PS on
+ * this CPU. VDPBF16PS does 32 multiply-adds, a 512-bit FMA 16, but not at the same rate
+ * everywhere: on AMD Zen 4 they issue alike (VDPBF16PS twice the work), on Intel Xeons of the
+ * Sapphire/Emerald Rapids generation a VDPBF16PS issues once per two cycles and FMAs twice per
+ * cycle (the FMA twice the work). Vendors and models do not say it, so it is timed: each
+ * instruction in 16 independent chains, the best of 5 short runs, and the FMA form chosen
+ * only where it does at least 1.3x VDPBF16PS's multiply-adds per cycle (the two kinds
+ * measured here are 2x apart either way, so the choice does not flip with a busy machine). */
+#if defined(__AVX512BF16__)
+static inline uint64_t time_chains(int fma) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_set1_ps((float)i * 1e-9f);
+    __m512 a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(1e-9f);
+    __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = (__m512bh)_mm512_set1_epi32(1);
+    const uint64_t start = __rdtsc();
+    for (int n = 0; n < 512; n++) {
+        if (fma) {
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+            __asm__ volatile("" : "+v"(a));
+        } else {
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_dpbf16_ps(acc[i], x, y);
+            __asm__ volatile("" : "+v"(x));
+        }
+    }
+    const uint64_t ticks = __rdtsc() - start;
+    for (int i = 0; i < 16; i++) __asm__ volatile("" : : "v"(acc[i]));
+    return ticks;
+}
+
+static inline int float32_fma_multiplies_faster(void) {
+    uint64_t best_fma = UINT64_MAX, best_dot = UINT64_MAX;
+    for (int run = 0; run < 5; run++) {
+        const uint64_t fma = time_chains(1), dot = time_chains(0);
+        if (fma < best_fma) best_fma = fma;
+        if (dot < best_dot) best_dot = dot;
+    }
+    /* multiply-adds per tick: 16 / best_fma against 32 / best_dot */
+    return 16.0 * (double)best_dot >= 1.3 * 32.0 * (double)best_fma;
+}
+#endif
+
 /* Lane t of the result = sum of the 16 lanes of v[t]. */
 static inline __attribute__((always_inline)) __m512 sum16(const __m512 v[16]) {
     __m512 pairs[8], quads[4];
