@@ -23,6 +23,8 @@ summation, |y - y_ref| <= (K/16 + 4) * 2^-23 * sum_j |w_j| |x_j| (tile_bound).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -121,13 +123,34 @@ def test_gemm_matches_float64_reference(path: str, kind: T) -> None:
                                    f"{error.max():.3g} beyond the bound by {excess.max():.3g}")
 
 
+@contextmanager
+def tiles_in_form(library, form: int):
+    """The library's bf16 tiles in one form (VDPBF16PS 0, float32 FMA 1), whichever this CPU
+    takes, then back."""
+    taken = kernels.tiles_form(library)
+    kernels.tiles_form(library, form)
+    try:
+        yield
+    finally:
+        kernels.tiles_form(library, taken)
+
+
+FORMS = pytest.mark.parametrize("form", [0, 1], ids=["vdpbf16ps", "float32-fma"])
+
+
+@FORMS
 @pytest.mark.parametrize("path", TILE_PATHS)
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
-def test_bf16_tiles_are_the_rounded_weights_product(path: str, kind: T) -> None:
+def test_bf16_tiles_are_the_rounded_weights_product(path: str, kind: T, form: int) -> None:
     if not build.cpu_supports(path):
         pytest.skip(f"this CPU cannot run the {path} path")
     library = kernels.load_path(path)
     assert kernels.has_bf16_tiles(library)
+    with tiles_in_form(library, form):
+        check_tiles_against_the_rounded_weights(library, kind)
+
+
+def check_tiles_against_the_rounded_weights(library, kind: T) -> None:
     rng = np.random.default_rng(200 + int(kind))
     for index, (m, n, k) in enumerate(cases(kind, count=5)):
         blocks = random_blocks(kind, n, k, rng, from_bytes=index % 2 == 1)
@@ -271,8 +294,9 @@ def test_bad_shapes_are_refused_with_a_message() -> None:
         kernels.gemm(library, 0, blocks, 64, torch.zeros(1, 64))
 
 
+@FORMS
 @pytest.mark.parametrize("path", PATHS)
-def test_the_team_projection_is_the_layer_path_bit_for_bit(path: str) -> None:
+def test_the_team_projection_is_the_layer_path_bit_for_bit(path: str, form: int) -> None:
     """gguf_linear_team (what the fused decode step runs) against quantized_linear (the layer
     path) on a projection of three parts of different types, one read through a row map, with
     and without a bias: the same bf16 values, on the int8 kernel's row counts and the tiles'."""
@@ -293,11 +317,13 @@ def test_the_team_projection_is_the_layer_path_bit_for_bit(path: str) -> None:
     described = team.projection([(p.tensor_type, p.blocks, p.row_map, p.out_features)
                                  for p in parts], k, tiles_from)
     bias = torch.randn(weight.out_features).to(torch.bfloat16)
-    for m in (1, 3, tiles_from, 17, ql.dequantize_min_rows(library) - 1):
-        x = torch.randn(m, k).to(torch.bfloat16)
-        for with_bias in (None, bias):
-            want = ql.quantized_linear(x, weight, with_bias)
-            assert torch.equal(team.linear(library, described, x, with_bias), want), (m, with_bias)
+    with tiles_in_form(library, form):
+        for m in (1, 3, tiles_from, 17, ql.dequantize_min_rows(library) - 1):
+            x = torch.randn(m, k).to(torch.bfloat16)
+            for with_bias in (None, bias):
+                want = ql.quantized_linear(x, weight, with_bias)
+                assert torch.equal(team.linear(library, described, x, with_bias), want), \
+                    (m, with_bias)
 
 
 def test_the_team_projection_refuses_what_it_cannot_describe() -> None:

@@ -72,3 +72,15 @@ def test_amx_linear_float32_output_is_the_bf16_result_widened(rows, out_features
     as_f32 = native.amx_linear(x, packed, out_features, bias, out_dtype=torch.float32)
     assert as_f32.dtype == torch.float32
     assert torch.equal(as_f32, as_bf16.float())
+
+
+@pytest.mark.skipif(native.load() is None, reason="no C compiler")
+@pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 96), (64, 2048)])
+def test_packing_puts_each_column_block_s_input_pairs_in_order(out_features, in_features):
+    # gemm_common.h's layout, built here from the plain weight: per block of 16 columns, pair p
+    # of every column (one 32-bit word of its row), pairs in order.
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    words = weight.view(torch.int32)  # [n, k / 2]: word p holds inputs 2p, 2p + 1
+    expected = words.reshape(out_features // 16, 16, in_features // 2).transpose(1, 2)
+    packed = native.gemm_pack(weight)
+    assert torch.equal(packed.reshape(-1).view(torch.int32), expected.reshape(-1))

@@ -10,7 +10,8 @@ the CPU, so a second process loads it in milliseconds. The cache is private and 
 is checked against the digest recorded at its build before it is loaded (native_cache.py).
 Anything that goes wrong (no compiler, a bad or incomplete library, unsupported shape) makes
 the caller fall back to the pure-torch path with one warning: the native kernel is a speed-up,
-never a requirement. PAGEDGEN_NATIVE_KERNELS=0 turns it off.
+never a requirement. PAGEDGEN_NATIVE_KERNELS=0 turns it off; PAGEDGEN_FLOAT32_FMA=0/1 pins the
+form of the AVX-512 BF16 GEMM and prefill attention (VDPBF16PS or float32 FMAs).
 """
 from __future__ import annotations
 
@@ -99,6 +100,18 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
+def _with_forms_from_environment(library: ctypes.CDLL) -> ctypes.CDLL:
+    """The AVX-512 BF16 kernels' forms, chosen now, in one thread, before any parallel region
+    asks: PAGEDGEN_FLOAT32_FMA=0 keeps them on VDPBF16PS, =1 puts them on float32 FMAs, on any
+    CPU (for comparisons, and for the same bits on CPUs of different kinds); unset, as timed
+    on this one."""
+    form = os.environ.get("PAGEDGEN_FLOAT32_FMA")
+    chosen = int(form) if form in ("0", "1") else -2
+    library.prefill_attention_avx512_form(chosen)
+    library.avx512_linear_form(chosen)
+    return library
+
+
 def first_error_line(error: Exception) -> str:
     """One line that says why: a compiler's whole output would bury the run's own messages."""
     lines = [line.strip() for line in (getattr(error, "stderr", None) or "").splitlines()]
@@ -121,7 +134,7 @@ def load() -> ctypes.CDLL | None:
         path = native_cache.library_folder() / library_name(compiler)
         if not native_cache.is_verified(path):   # missing, corrupt, or not what we built
             native_cache.build_verified(path, lambda tmp: _compile(compiler, tmp))
-        return _bind(ctypes.CDLL(str(path)))
+        return _with_forms_from_environment(_bind(ctypes.CDLL(str(path))))
     except (OSError, subprocess.SubprocessError) as error:
         warnings.warn(f"pagedgen: native CPU attention unavailable, using torch "
                       f"({first_error_line(error)}); set PAGEDGEN_NATIVE_KERNELS=0 to silence")

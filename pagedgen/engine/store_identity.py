@@ -70,9 +70,11 @@ def kernel_path(runner: Any) -> str:
     cfg = runner.config
     attention = native.prefill_attention_path(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) \
         if native.enabled() else "torch sdpa"
+    gemm = native.gemm_kind() if native.enabled() else None
+    if gemm == "avx512" and native.avx512_linear_form():  # its float32 form rounds otherwise
+        gemm += " float32-fma"
     return (f"torch {torch.__version__} cpu {platform.machine()} cpu-id {cpu} "
-            f"gemm {native.gemm_kind() if native.enabled() else None} attention {attention} "
-            f"threads {torch.get_num_threads()}")
+            f"gemm {gemm} attention {attention} threads {torch.get_num_threads()}")
 
 
 def _cpu_description() -> str:

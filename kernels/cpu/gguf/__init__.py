@@ -68,6 +68,12 @@ def has_bf16_tiles(library: GgufLibrary) -> bool:
     return library.bf16_tiles
 
 
+def tiles_form(library: GgufLibrary, form: int = -2) -> int:
+    """The bf16 tiles' form: 1 float32 FMAs on the widened tile (where VDPBF16PS multiplies
+    slower), 0 VDPBF16PS; -2 reads it, 0 or 1 sets it (the tests run each on any CPU)."""
+    return library.library.gguf_bf16_tiles_form(form) if library.bf16_tiles else 0
+
+
 def dequantize_rows(library: GgufLibrary, tensor_type: int, blocks, k: int,
                     row_map: torch.Tensor | None = None, value_dtype: torch.dtype = torch.float32,
                     threads: int | None = None) -> torch.Tensor:

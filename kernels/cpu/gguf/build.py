@@ -26,7 +26,8 @@ SOURCE = Path(__file__).with_name("gguf_gemm.c")
 # Files SOURCE includes: part of the library's cache key.
 INCLUDED = tuple(Path(__file__).with_name(name)
                  for name in ("gguf_registers.c", "gguf_avx512.c", "gguf_avx2.c",
-                              "gguf_bf16_tiles.c"))
+                              "gguf_bf16_tiles.c")) + (Path(__file__).parent.parent
+                                                       / "x86_common.h",)
 COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-strict-aliasing"]
 # Path name -> its own target flags; the number is the path's id for gguf_cpu_supports().
 PATH_FLAGS = {
@@ -83,6 +84,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.gguf_decodes_in_registers.argtypes = []
     library.gguf_decodes_in_registers.restype = ctypes.c_int
     library.gguf_has_bf16_tiles.argtypes, library.gguf_has_bf16_tiles.restype = [], ctypes.c_int
+    library.gguf_bf16_tiles_form.argtypes = [ctypes.c_int]
+    library.gguf_bf16_tiles_form.restype = ctypes.c_int
     library.gguf_linear_scratch_bytes.argtypes = [_I64, _I64]
     library.gguf_linear_scratch_bytes.restype = ctypes.c_int64
     library.gguf_linear_team.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR]
@@ -110,7 +113,17 @@ def load_path(path: str) -> GgufLibrary:
     if library.gguf_path_name().decode() != path:
         raise GgufKernelUnavailable(f"library built for {path} reports "
                                     f"{library.gguf_path_name().decode()} (flags not honoured)")
-    return GgufLibrary(path, library, bool(library.gguf_has_bf16_tiles()))
+    tiles = bool(library.gguf_has_bf16_tiles())
+    if tiles and library.gguf_cpu_supports(PATH_FLAGS[path][0]):
+        choose_tiles_form(library)
+    return GgufLibrary(path, library, tiles)
+
+
+def choose_tiles_form(library: ctypes.CDLL) -> int:
+    """The bf16 tiles' form (1: float32 FMAs, 0: VDPBF16PS), chosen now, in one thread, before
+    any team asks: PAGEDGEN_FLOAT32_FMA=0/1 pins it, else it is timed on this CPU."""
+    form = os.environ.get("PAGEDGEN_FLOAT32_FMA")
+    return library.gguf_bf16_tiles_form(int(form) if form in ("0", "1") else -2)
 
 
 def cpu_supports(path: str) -> bool:

@@ -11,7 +11,26 @@
  *
  * A pass keeps BF16_PASS_ROWS x BF16_BATCH accumulators of 16 partial sums each (lanes along K);
  * one shuffle-and-add tree turns the 16 of them into the 16 outputs.
+ *
+ * The float32 form, where VDPBF16PS multiplies slower than float32 FMAs (timed once,
+ * x86_common.h; Intel Xeons without usable AMX): the bf16 pairs of the tile and of the
+ * activations are split in registers into their even and odd values widened to float32 (a
+ * shift and a mask), and each product is an FMA: the same exact products as VDPBF16PS's,
+ * summed in another order.
  */
+#include "../x86_common.h"
+
+/* Which form the tiles take: -1 until first asked, then as timed (or as set for tests). */
+static int tiles_form_in_use = -1;
+
+/* form 0 (VDPBF16PS) or 1 (float32 FMA) sets it, -1 times this CPU again, -2 only asks
+ * (timing at the first ask); returns the form in effect. */
+int gguf_bf16_tiles_form(int form) {
+    if (form == -2) form = __atomic_load_n(&tiles_form_in_use, __ATOMIC_RELAXED);
+    if (form < 0) form = float32_fma_multiplies_faster();
+    __atomic_store_n(&tiles_form_in_use, form, __ATOMIC_RELAXED);
+    return form;
+}
 
 /* Every pass streams its activation rows past the tile, from L2 once there are more of them
  * than L1 holds: eight weight rows per pass halve that traffic against four (4 x 4 was up to
@@ -76,6 +95,43 @@ static inline __attribute__((always_inline)) void bf16_pass(int batch, const uin
         for (int r = 0; r < rows; r++) y[m * y_stride + r] = sums[m * BF16_PASS_ROWS + r];
 }
 
+/* The float32 form's pass: WIDE_PASS_ROWS rows of the decoded tile against `batch` activation
+ * rows, per 32 inputs each weight row's and activation row's bf16 pairs split in registers into
+ * their even and odd values, widened (a shift, a mask), then two FMAs per pair of rows. Four
+ * by four: each split weight vector serves four activation rows (eight by two split each
+ * weight vector for two, and widening a tile into a float32 buffer first doubled the bytes
+ * every pass streams: both measured slower). */
+#define WIDE_PASS_ROWS 4
+#define WIDE_BATCH 4
+static inline __attribute__((always_inline)) void wide_pass(int batch, const uint16_t *btile,
+                                                           const uint16_t *x, int64_t x_stride,
+                                                           int64_t k, int rows, float *y,
+                                                           int64_t y_stride) {
+    const __m512i odd_half = _mm512_set1_epi32((int)0xffff0000);
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t at = 0; at < k; at += 32) {
+        __m512 even_x[WIDE_BATCH], odd_x[WIDE_BATCH];
+        for (int m = 0; m < batch; m++) {
+            const __m512i v = _mm512_loadu_si512(x + m * x_stride + at);
+            even_x[m] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            odd_x[m] = _mm512_castsi512_ps(_mm512_and_si512(v, odd_half));
+        }
+        for (int r = 0; r < WIDE_PASS_ROWS; r++) {
+            const __m512i wv = _mm512_loadu_si512(btile + r * k + at);
+            const __m512 even_w = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+            const __m512 odd_w = _mm512_castsi512_ps(_mm512_and_si512(wv, odd_half));
+            for (int m = 0; m < batch; m++)
+                acc[m * WIDE_PASS_ROWS + r] = _mm512_fmadd_ps(
+                    odd_w, odd_x[m], _mm512_fmadd_ps(even_w, even_x[m], acc[m * WIDE_PASS_ROWS + r]));
+        }
+    }
+    float sums[16];
+    _mm512_storeu_ps(sums, sum_lanes16(acc));
+    for (int m = 0; m < batch; m++)
+        for (int r = 0; r < rows; r++) y[m * y_stride + r] = sums[m * WIDE_PASS_ROWS + r];
+}
+
 static inline int kept_in_half(int rows, int half) {
     int kept = rows - half * BF16_PASS_ROWS;
     return kept < 0 ? 0 : kept < BF16_PASS_ROWS ? kept : BF16_PASS_ROWS;
@@ -98,7 +154,25 @@ static inline __attribute__((always_inline)) void batch_through_tile(
  * first wrote its part. */
 static void rows_through_tile(int whole_tile_in_l1, const uint16_t *tile, const uint16_t *x,
                               int64_t x_stride, int64_t m_rows, int64_t k, int rows, float *y,
-                              int64_t y_stride) {
+                              int64_t y_stride, int wide) {
+    if (wide) { /* the float32 form: four weight rows at a time through every activation row */
+        for (int first = 0; first < rows; first += WIDE_PASS_ROWS) {
+            const int kept = rows - first < WIDE_PASS_ROWS ? rows - first : WIDE_PASS_ROWS;
+            const uint16_t *part = tile + first * k;
+            float *out = y + first;
+            int64_t m0 = 0;
+            for (; m0 + WIDE_BATCH <= m_rows; m0 += WIDE_BATCH)
+                wide_pass(WIDE_BATCH, part, x + m0 * x_stride, x_stride, k, kept,
+                          out + m0 * y_stride, y_stride);
+            switch (m_rows - m0) { /* the rest, each count its own copy of the loop */
+            case 1: wide_pass(1, part, x + m0 * x_stride, x_stride, k, kept, out + m0 * y_stride, y_stride); break;
+            case 2: wide_pass(2, part, x + m0 * x_stride, x_stride, k, kept, out + m0 * y_stride, y_stride); break;
+            case 3: wide_pass(3, part, x + m0 * x_stride, x_stride, k, kept, out + m0 * y_stride, y_stride); break;
+            default: break;
+            }
+        }
+        return;
+    }
     for (int half = 0; half < (whole_tile_in_l1 ? 1 : BF16_HALVES); half++) {
         const uint16_t *part = whole_tile_in_l1 ? tile : tile + half * BF16_PASS_ROWS * k;
         int kept = whole_tile_in_l1 ? rows : kept_in_half(rows, half);
@@ -137,7 +211,7 @@ static int bf16_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const 
      * and 640 against 2048). */
     const int whole_tile_in_l1 = BF16_TILE_ROWS * k * (int64_t)sizeof(uint16_t) <= TILE_L1_BYTES;
     uint16_t *tile = aligned_alloc(64, sizeof(uint16_t) * (size_t)(BF16_TILE_ROWS * k + 32));
-    const int ok = tile != NULL;
+    const int ok = tile != NULL, wide = gguf_bf16_tiles_form(-2) == 1;
 #pragma omp for schedule(static)
     for (int64_t first = 0; first < n_rows; first += BF16_TILE_ROWS) {
         if (!ok) continue;
@@ -154,7 +228,7 @@ static int bf16_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const 
             }
         }
         rows_through_tile(whole_tile_in_l1, tile, x, x_stride, m_rows, k, rows, y + first,
-                          y_stride);
+                          y_stride, wide);
     }
     free(tile);
     return ok;

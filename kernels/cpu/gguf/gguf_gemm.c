@@ -393,6 +393,10 @@ int gguf_has_bf16_tiles(void) {
 #endif
 }
 
+#if !defined(__AVX512BF16__)
+int gguf_bf16_tiles_form(int form) { return 0; } /* no tiles: nothing to choose */
+#endif
+
 /* gguf_gemm's int8 route: x's rows quantized once (quantize_rows_team), then the products. */
 static int gemm_quantized(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
                           int64_t n_rows, int64_t k, const void *x, int x_bf16, int64_t x_stride,

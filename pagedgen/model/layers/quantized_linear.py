@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pagedgen.kernels.cpu import gguf as gguf_kernels
 
@@ -109,7 +108,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     if rows.shape[0] >= dequantize_min_rows(weight.library) and not weight.invariant:
-        out = F.linear(rows.to(torch.bfloat16), dequantized(weight, torch.bfloat16))
+        out = dense_linear(rows.to(torch.bfloat16), dequantized(weight, torch.bfloat16))
     else:
         out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
         tiles_from = 0 if weight.invariant else tiles_min_rows(
@@ -123,6 +122,16 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     if bias is not None:
         out = out + bias
     return out.to(out_dtype).reshape(*x.shape[:-1], weight.out_features)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T for a bf16 weight dequantized for this call, as the dense model's layers
+    run it: packed (one pass at memory speed) for our GEMM where the CPU has one and the rows
+    are within its range (on CPUs where float32 FMAs outrun VDPBF16PS it runs in their form),
+    else F.linear (whose oneDNN reorders the weight per call all the same)."""
+    from pagedgen.model.layers.linear import linear, pack_weight  # linear.py imports this one
+
+    return linear(x, weight, None, pack_weight(weight))
 
 
 def dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
