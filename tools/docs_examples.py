@@ -127,8 +127,9 @@ def _only_marks_between(lines: list[str], end: int, start: int) -> bool:
 
 
 def cpu_kind() -> str:
-    """amx, avx512_bf16, avx512_bf16-intel or other: the kernels (and so bf16 rounding) differ
-    between them (on Intel the packed-GGUF bf16 tiles start at more rows than on AMD)."""
+    """amx, avx512_bf16, avx512_bf16-intel or other, and "-fma" where the AVX-512 BF16 kernels
+    take their float32 FMA form (as timed on this CPU): the kernels (and so bf16 rounding)
+    differ between them (on Intel the packed-GGUF bf16 tiles also start at more rows)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -138,8 +139,18 @@ def cpu_kind() -> str:
     if "amx_tile" in flags:
         return "amx"
     if "avx512_bf16" in flags:
-        return "avx512_bf16-intel" if intel else "avx512_bf16"
+        return ("avx512_bf16-intel" if intel else "avx512_bf16") + \
+            ("-fma" if _float32_fma_form() else "")
     return "other"
+
+
+def _float32_fma_form() -> bool:
+    """Whether pagedgen's AVX-512 BF16 kernels run their float32 FMA form here."""
+    try:
+        from pagedgen.kernels.cpu import native
+    except ImportError:
+        return False
+    return bool(native.avx512_linear_form())
 
 
 # --- running ---

@@ -34,6 +34,14 @@ def kernel_paths(llm) -> list[str]:
     wide = (f" (float32 FMA form from {library.avx512_linear_wide_min_rows()} rows)"
             if library is not None and "avx512" in projections and native.avx512_linear_form()
             else "")
+    gguf = next((p.library for p in (model.layers[0].attention.qkv_packed,)
+                 if getattr(p, "kind", None) == "gguf"), None)
+    if gguf is not None:
+        from pagedgen.kernels.cpu import gguf as gguf_kernels
+
+        tiles = ("bf16 tiles, float32 FMA form" if gguf_kernels.tiles_form(gguf)
+                 else "bf16 tiles" if gguf.bf16_tiles else "no bf16 tiles")
+        wide += f" (GGUF library {gguf.path}: {tiles})"
     return [
         "projections " + ", ".join(f"{kind} x{count}" for kind, count in projections.items())
         + wide,

@@ -195,14 +195,8 @@ int avx512_bf16_available(void) { return 1; }
 /* Whether CPUs of this kind take the float32 form for large calls: -1 until first asked. */
 static int form_in_use = -1;
 
-/* form 0 (VDPBF16PS only) or 1 (float32 form from WIDE_MIN_ROWS rows) sets it, -1 times this
- * CPU again, -2 only asks (timing at the first ask); returns the form in effect. */
-int avx512_linear_form(int form) {
-    if (form == -2) form = __atomic_load_n(&form_in_use, __ATOMIC_RELAXED);
-    if (form < 0) form = float32_fma_multiplies_faster();
-    __atomic_store_n(&form_in_use, form, __ATOMIC_RELAXED);
-    return form;
-}
+/* 0: VDPBF16PS only, 1: the float32 form from WIDE_MIN_ROWS rows (choose_form's protocol). */
+int avx512_linear_form(int form) { return choose_form(&form_in_use, form); }
 
 /* The shapes the packing takes: N % 16 == 0, K % 32 == 0; any M >= 1. */
 int avx512_linear_supported(int64_t m, int64_t n, int64_t k) {

@@ -455,14 +455,8 @@ int prefill_attention_avx512_supported(int num_q_heads, int num_kv_heads, int he
 /* Which form runs: -1 until first asked, then as timed (or as set for tests). */
 static int form_in_use = -1;
 
-/* form 0 (VDPBF16PS) or 1 (float32 FMA) sets it, -1 times this CPU again and takes what
- * is faster, -2 only asks (timing at the first ask); returns the form that runs from now on. */
-int prefill_attention_avx512_form(int form) {
-    if (form == -2) form = __atomic_load_n(&form_in_use, __ATOMIC_RELAXED);
-    if (form < 0) form = float32_fma_multiplies_faster();
-    __atomic_store_n(&form_in_use, form, __ATOMIC_RELAXED);
-    return form;
-}
+/* 0: VDPBF16PS, 1: float32 FMA (choose_form's protocol, x86_common.h). */
+int prefill_attention_avx512_form(int form) { return choose_form(&form_in_use, form); }
 
 /* The chunk's items over `threads`; 0 when done, 1 when unsupported or out of memory. */
 static int attend_chunk(Chunk c, int num_threads) {

@@ -109,6 +109,16 @@ static inline int float32_fma_multiplies_faster(void) {
     /* multiply-adds per tick: 16 / best_fma against 32 / best_dot */
     return 16.0 * (double)best_dot >= 1.3 * 32.0 * (double)best_fma;
 }
+
+/* A kernel family's form setting (*slot: -1 until first chosen): form 0 (VDPBF16PS) or 1
+ * (float32 FMA) sets it, -1 times this CPU again and takes the faster, -2 only asks (timing
+ * at the first ask); returns the form in effect. */
+static inline int choose_form(int *slot, int form) {
+    if (form == -2) form = __atomic_load_n(slot, __ATOMIC_RELAXED);
+    if (form < 0) form = float32_fma_multiplies_faster();
+    __atomic_store_n(slot, form, __ATOMIC_RELAXED);
+    return form;
+}
 #endif
 
 /* Lane t of the result = sum of the 16 lanes of v[t]. */

@@ -23,14 +23,8 @@
 /* Which form the tiles take: -1 until first asked, then as timed (or as set for tests). */
 static int tiles_form_in_use = -1;
 
-/* form 0 (VDPBF16PS) or 1 (float32 FMA) sets it, -1 times this CPU again, -2 only asks
- * (timing at the first ask); returns the form in effect. */
-int gguf_bf16_tiles_form(int form) {
-    if (form == -2) form = __atomic_load_n(&tiles_form_in_use, __ATOMIC_RELAXED);
-    if (form < 0) form = float32_fma_multiplies_faster();
-    __atomic_store_n(&tiles_form_in_use, form, __ATOMIC_RELAXED);
-    return form;
-}
+/* 0: VDPBF16PS, 1: float32 FMA (choose_form's protocol, x86_common.h). */
+int gguf_bf16_tiles_form(int form) { return choose_form(&tiles_form_in_use, form); }
 
 /* Every pass streams its activation rows past the tile, from L2 once there are more of them
  * than L1 holds: eight weight rows per pass halve that traffic against four (4 x 4 was up to
