@@ -72,8 +72,7 @@ def bench_type(name: str, n: int, k: int, rows: list[int], threads: int, repeats
         tiles = median_seconds(lambda: gguf_kernels.gemm(library, int(kind), blocks, k, x,
                                                          threads=threads, bf16_from_rows=1),
                                repeats) if has_tiles else float("nan")
-        deq = median_seconds(lambda: ql.dense_linear(x, ql.dequantized(weight, torch.bfloat16)),
-                             repeats)
+        deq = median_seconds(lambda: ql.dequantized_linear(x, weight), repeats)
         bf16 = median_seconds(lambda: linear(x, dense, packed=packed_dense), repeats)
         packed_best = min(int8, tiles) if has_tiles else int8
         if crossover is None and deq < packed_best:

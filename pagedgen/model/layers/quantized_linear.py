@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from pagedgen.kernels.cpu import gguf as gguf_kernels
-
+from pagedgen.model.layers.dense_linear import dense_linear, pack_weight
 
 
 def _cpu_vendor() -> str:
@@ -108,7 +108,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     if rows.shape[0] >= dequantize_min_rows(weight.library) and not weight.invariant:
-        out = dense_linear(rows.to(torch.bfloat16), dequantized(weight, torch.bfloat16))
+        out = dequantized_linear(rows.to(torch.bfloat16), weight)
     else:
         out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
         tiles_from = 0 if weight.invariant else tiles_min_rows(
@@ -124,14 +124,13 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     return out.to(out_dtype).reshape(*x.shape[:-1], weight.out_features)
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T for a bf16 weight dequantized for this call, as the dense model's layers
-    run it: packed (one pass at memory speed) for our GEMM where the CPU has one and the rows
-    are within its range (on CPUs where float32 FMAs outrun VDPBF16PS it runs in their form),
-    else F.linear (whose oneDNN reorders the weight per call all the same)."""
-    from pagedgen.model.layers.linear import linear, pack_weight  # linear.py imports this one
-
-    return linear(x, weight, None, pack_weight(weight))
+def dequantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x @ W^T (bf16 x) with W dequantized to bf16 for this call and run as the dense model's
+    layers run theirs: packed (one pass at memory speed) for our GEMM where the CPU has one,
+    so the same kernel and form, else F.linear (whose oneDNN reorders it per call all the
+    same)."""
+    dense = dequantized(weight, torch.bfloat16)
+    return dense_linear(x, dense, None, pack_weight(dense))
 
 
 def dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
