@@ -28,7 +28,7 @@ static inline __m512i two_codes(__m512 values, __m512 d, __m512 inverse) {
                             clamp127(_mm512_cvtps_epi32(rest)));
 }
 
-/* The largest magnitude of x[base + from .. base + from + count), count a multiple of 32. */
+/* The largest magnitude of x[base .. base + count), count a multiple of 32. */
 static float amax_of(const void *x, int bf16, int64_t base, int64_t count) {
     const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     __m512 top = _mm512_setzero_ps();
