@@ -77,7 +77,7 @@ def test_a_row_gets_the_same_bits_in_any_batch():
     x, weight, bias = gemm_case(wide + 5, 96, 128, seed=5)
     packed = native.gemm_pack(weight)
     batch = native.avx512_linear(x, packed, 96, bias)
-    for row in (0, 8, 23, wide + 4):
+    for row in (0, 3, wide, wide + 4):
         alone = native.avx512_linear(x[row:row + 1], packed, 96, bias)
         few = native.avx512_linear(x[row:row + 3], packed, 96, bias)
         assert torch.equal(alone[0], few[0])

@@ -48,7 +48,7 @@
 #define GROUP 3 /* C: 16-column blocks per micro-tile */
 #endif
 #ifndef WIDE_MIN_ROWS
-#define WIDE_MIN_ROWS 32 /* the float32 form from here (bench/bench_gemm.py --forms) */
+#define WIDE_MIN_ROWS 8 /* the float32 form from here (bench/bench_gemm.py --forms) */
 #endif
 
 ALWAYS_INLINE __m512bh x_pair(const uint16_t *x) { /* x[0], x[1] in every 32-bit lane */
