@@ -115,7 +115,8 @@ ALWAYS_INLINE void micro_tile_wide(const float *x_wide, const uint16_t *panel,
             const __m512 x0 = _mm512_set1_ps(x_wide[r * stride + 2 * p]);
             const __m512 x1 = _mm512_set1_ps(x_wide[r * stride + 2 * p + 1]);
             for (int c = 0; c < C; c++)
-                acc[r][c] = _mm512_fmadd_ps(x1, odd_w[c], _mm512_fmadd_ps(x0, even_w[c], acc[r][c]));
+                acc[r][c] =
+                    _mm512_fmadd_ps(x1, odd_w[c], _mm512_fmadd_ps(x0, even_w[c], acc[r][c]));
         }
     }
     for (int r = 0; r < R; r++)
@@ -147,16 +148,18 @@ ALWAYS_INLINE void column_group(const uint16_t *x, int64_t x_stride, const uint1
         for (; row < end; row += TILE_ROWS, next = NULL) {
             const int R = end - row < TILE_ROWS ? (int)(end - row) : TILE_ROWS;
             widen_rows(x + row * x_stride, x_stride, R, 2 * pairs, x_wide);
+#define WIDE_TILE(R) micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, R, C)
             switch (R) { /* constant R: the sums stay in registers */
-            case 1: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 1, C); break;
-            case 2: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 2, C); break;
-            case 3: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 3, C); break;
-            case 4: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 4, C); break;
-            case 5: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 5, C); break;
-            case 6: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 6, C); break;
-            case 7: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 7, C); break;
-            default: micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, 8, C); break;
+            case 1: WIDE_TILE(1); break;
+            case 2: WIDE_TILE(2); break;
+            case 3: WIDE_TILE(3); break;
+            case 4: WIDE_TILE(4); break;
+            case 5: WIDE_TILE(5); break;
+            case 6: WIDE_TILE(6); break;
+            case 7: WIDE_TILE(7); break;
+            default: WIDE_TILE(8); break;
             }
+#undef WIDE_TILE
         }
         return;
     }
@@ -211,7 +214,8 @@ static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *pa
                          int threads, int wide) {
     /* the float32 form's rows of one micro-tile; without the buffer (none asked for, or out
      * of memory) the VDPBF16PS form, correct all the same */
-    float *x_wide = wide ? aligned_alloc(64, (size_t)TILE_ROWS * WIDE_STRIDE(k) * sizeof(float)) : NULL;
+    float *x_wide =
+        wide ? aligned_alloc(64, (size_t)TILE_ROWS * WIDE_STRIDE(k) * sizeof(float)) : NULL;
     const int64_t pairs = k / 2, panel_elems = pairs * GEMM_PAIR_ELEMS, blocks = out.n / 16;
     const int64_t groups = (blocks + GROUP - 1) / GROUP;
     const int64_t row_tiles = (m + TILE_ROWS - 1) / TILE_ROWS;

@@ -116,8 +116,9 @@ static inline __attribute__((always_inline)) void wide_pass(int batch, const uin
             const __m512 even_w = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
             const __m512 odd_w = _mm512_castsi512_ps(_mm512_and_si512(wv, odd_half));
             for (int m = 0; m < batch; m++)
-                acc[m * WIDE_PASS_ROWS + r] = _mm512_fmadd_ps(
-                    odd_w, odd_x[m], _mm512_fmadd_ps(even_w, even_x[m], acc[m * WIDE_PASS_ROWS + r]));
+                acc[m * WIDE_PASS_ROWS + r] =
+                    _mm512_fmadd_ps(odd_w, odd_x[m],
+                                    _mm512_fmadd_ps(even_w, even_x[m], acc[m * WIDE_PASS_ROWS + r]));
         }
     }
     float sums[16];
@@ -158,12 +159,14 @@ static void rows_through_tile(int whole_tile_in_l1, const uint16_t *tile, const 
             for (; m0 + WIDE_BATCH <= m_rows; m0 += WIDE_BATCH)
                 wide_pass(WIDE_BATCH, part, x + m0 * x_stride, x_stride, k, kept,
                           out + m0 * y_stride, y_stride);
+#define REST(B) wide_pass(B, part, x + m0 * x_stride, x_stride, k, kept, out + m0 * y_stride, y_stride)
             switch (m_rows - m0) { /* the rest, each count its own copy of the loop */
-            case 1: wide_pass(1, part, x + m0 * x_stride, x_stride, k, kept, out + m0 * y_stride, y_stride); break;
-            case 2: wide_pass(2, part, x + m0 * x_stride, x_stride, k, kept, out + m0 * y_stride, y_stride); break;
-            case 3: wide_pass(3, part, x + m0 * x_stride, x_stride, k, kept, out + m0 * y_stride, y_stride); break;
+            case 1: REST(1); break;
+            case 2: REST(2); break;
+            case 3: REST(3); break;
             default: break;
             }
+#undef REST
         }
         return;
     }
