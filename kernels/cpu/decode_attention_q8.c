@@ -84,9 +84,7 @@ ALWAYS_INLINE Prefetch block_ahead(const DecodeAttention *a, const int64_t *tabl
 
 ALWAYS_INLINE __m512 load_query(const DecodeAttention *a, int64_t row, int v) {
     if (a->is_bf16) {
-        const uint16_t *src = (const uint16_t *)a->q + row + 16 * v;
-        __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+        return bf16x16_to_f32((const uint16_t *)a->q + row + 16 * v);
     }
     return _mm512_loadu_ps((const float *)a->q + row + 16 * v);
 }

@@ -19,11 +19,6 @@
 #define MAX_GROUP 8 /* query heads per kv head (specialisations below) */
 #define MAX_VECS 16 /* float32 vectors per head row: head_dim 256 */
 
-ALWAYS_INLINE __m512 bf16x16_to_f32(const uint16_t *src) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 /* Lane t: q . row t, for the first n of 16 rows `stride` elements apart (lanes >= n: 0). */
 ALWAYS_INLINE __m512 dot_chunk(const uint16_t *rows, int n, int64_t stride, const uint16_t *q,
                                int NV) {

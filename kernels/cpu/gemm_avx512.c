@@ -95,7 +95,6 @@ ALWAYS_INLINE void micro_tile_wide(const float *x_wide, const uint16_t *panel,
                                    const uint16_t *next, int64_t pairs, const uint16_t *bias,
                                    GemmOut out, int64_t row, int64_t col_block, int R, int C) {
     const int64_t panel_elems = pairs * GEMM_PAIR_ELEMS, stride = WIDE_STRIDE(2 * pairs);
-    const __m512i odd = _mm512_set1_epi32((int)0xffff0000);
     __m512 acc[8][GROUP];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
@@ -104,8 +103,8 @@ ALWAYS_INLINE void micro_tile_wide(const float *x_wide, const uint16_t *panel,
         for (int c = 0; c < C; c++) {
             const __m512i w =
                 _mm512_loadu_si512(panel + c * panel_elems + p * GEMM_PAIR_ELEMS);
-            even_w[c] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-            odd_w[c] = _mm512_castsi512_ps(_mm512_and_si512(w, odd));
+            even_w[c] = bf16_pairs_even(w);
+            odd_w[c] = bf16_pairs_odd(w);
         }
         if (next)
             for (int c = 0; c < C; c++)
@@ -129,12 +128,8 @@ ALWAYS_INLINE void micro_tile_wide(const float *x_wide, const uint16_t *panel,
 static void widen_rows(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t k,
                        float *wide) {
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < k; i += 16) {
-            const __m512i h = _mm512_cvtepu16_epi32(
-                _mm256_loadu_si256((const __m256i *)(x + r * x_stride + i)));
-            _mm512_storeu_ps(wide + r * WIDE_STRIDE(k) + i,
-                             _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
-        }
+        for (int64_t i = 0; i < k; i += 16)
+            _mm512_storeu_ps(wide + r * WIDE_STRIDE(k) + i, bf16x16_to_f32(x + r * x_stride + i));
 }
 
 /* Rows row..row+rows-1 of column blocks col_block..col_block+C-1: whole 8-row tiles, then the

@@ -191,11 +191,8 @@ static void pack_queries_wide(const Chunk *c, int first_head, int64_t row0, int6
 /* The step's KEYS rows (bf16) -> float32 rows (exact: bf16 is float32's upper half). */
 ALWAYS_INLINE void widen_rows(const uint16_t *const *rows, float *wide, int D) {
     for (int k = 0; k < KEYS; k++)
-        for (int d = 0; d < D; d += 16) {
-            const __m512i halves =
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rows[k] + d)));
-            _mm512_store_ps(wide + k * D + d, _mm512_castsi512_ps(_mm512_slli_epi32(halves, 16)));
-        }
+        for (int d = 0; d < D; d += 16)
+            _mm512_store_ps(wide + k * D + d, bf16x16_to_f32(rows[k] + d));
 }
 
 /* S^T of one head and the step's keys, VDPBF16PS form: lane r of s[k] = q_r . key k. */

@@ -32,6 +32,24 @@ static inline void configure_full_tiles(void) {
 #endif
 
 #if defined(__AVX512F__)
+/* bf16 is the upper half of a float32: widening is exact, a shift or a mask. */
+
+/* 16 bf16 values -> 16 float32. */
+static inline __attribute__((always_inline)) __m512 bf16x16_to_f32(const uint16_t *src) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* 16 pairs of bf16 (one per 32-bit lane) -> the 16 first (even) values as float32 ... */
+static inline __attribute__((always_inline)) __m512 bf16_pairs_even(__m512i pairs) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+}
+
+/* ... and the 16 second (odd) ones. */
+static inline __attribute__((always_inline)) __m512 bf16_pairs_odd(__m512i pairs) {
+    return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000)));
+}
+
 /* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2,
  * p the degree-6 Taylor polynomial (relative error ~1e-7). Written out because libm's scalar
  * expf, which the compiler called for most of the lanes, cost more than the dot products. */

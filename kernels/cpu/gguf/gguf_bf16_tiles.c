@@ -101,20 +101,18 @@ static inline __attribute__((always_inline)) void wide_pass(int batch, const uin
                                                            const uint16_t *x, int64_t x_stride,
                                                            int64_t k, int rows, float *y,
                                                            int64_t y_stride) {
-    const __m512i odd_half = _mm512_set1_epi32((int)0xffff0000);
     __m512 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t at = 0; at < k; at += 32) {
         __m512 even_x[WIDE_BATCH], odd_x[WIDE_BATCH];
         for (int m = 0; m < batch; m++) {
             const __m512i v = _mm512_loadu_si512(x + m * x_stride + at);
-            even_x[m] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-            odd_x[m] = _mm512_castsi512_ps(_mm512_and_si512(v, odd_half));
+            even_x[m] = bf16_pairs_even(v);
+            odd_x[m] = bf16_pairs_odd(v);
         }
         for (int r = 0; r < WIDE_PASS_ROWS; r++) {
             const __m512i wv = _mm512_loadu_si512(btile + r * k + at);
-            const __m512 even_w = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
-            const __m512 odd_w = _mm512_castsi512_ps(_mm512_and_si512(wv, odd_half));
+            const __m512 even_w = bf16_pairs_even(wv), odd_w = bf16_pairs_odd(wv);
             for (int m = 0; m < batch; m++)
                 acc[m * WIDE_PASS_ROWS + r] =
                     _mm512_fmadd_ps(odd_w, odd_x[m],
