@@ -10,11 +10,13 @@ import torch
 
 from pagedgen.engine.kv_manager import NULL_BLOCK
 from pagedgen.kernels.cpu import native
+from pagedgen.kernels.cpu.gguf import build as gguf_build
 
 from pagedgen.model.loading.loader import load_model
 from pagedgen.model.runtime.runner import ModelRunner, ScheduledChunk
 from pagedgen.settings import EngineConfig
 from pagedgen.model.layers import quantized_linear as ql
+from test_gguf_gemm import tiles_in_form
 from test_gguf_packed_model import write_quantized_gguf
 from tiny_models import WINDOWS, sequential_block_tables, tiny_model_dir
 
@@ -102,23 +104,29 @@ def test_fused_decode_is_bit_identical_to_the_layers(model, kv_cache_dtype):
     _assert_fused_equals_layers(runner)
 
 
-def test_fused_decode_on_gguf_blocks_is_bit_identical_to_the_layers(tmp_path):
+@pytest.mark.parametrize("form", [0, 1], ids=["vdpbf16ps", "float32-fma"])
+def test_fused_decode_on_gguf_blocks_is_bit_identical_to_the_layers(tmp_path, form):
     """Packed GGUF projections (q/k read through a row map, Q4_0/Q4_1/Q5_0/Q8_0 parts): decode
-    batches on the int8 kernel (fewer rows than tiles_min_rows()) and on the bf16 tiles
-    where the library has them; from the dequantize crossover on, the layers run."""
-    loaded = load_model(str(write_quantized_gguf(tmp_path / "q.gguf")), dtype=torch.bfloat16,
-                        device="cpu", weights="packed")
-    runner = ModelRunner(loaded, EngineConfig(block_size=BLOCK_SIZE, num_blocks=512))
-    fused = runner.model.fused_decode
-    if fused is None:
-        pytest.skip("no fused decode here (needs the native kernels)")
-    assert fused.gemm_kind == "gguf"
-    library = runner.model.layers[0].mlp.down_packed.library
-    assert fused.max_rows == ql.dequantize_min_rows(library) - 1
-    _assert_fused_equals_layers(runner, [7, 20])
-    _assert_fused_equals_layers(runner, PROMPT_LENGTHS + [3, 30])
-    _assert_fused_equals_layers(runner, [1 + n % 9 for n in range(fused.max_rows + 1)],
-                                covered=False)
+    batches on the int8 kernel (fewer rows than tiles_min_rows()) and on the bf16 tiles, in
+    each of their forms, where the library has them; from the dequantize crossover on, the
+    layers run."""
+    library = gguf_build.best()
+    if library is None:
+        pytest.skip("no GGUF library here (needs a C compiler)")
+    with tiles_in_form(library, form):
+        loaded = load_model(str(write_quantized_gguf(tmp_path / "q.gguf")), dtype=torch.bfloat16,
+                            device="cpu", weights="packed")
+        runner = ModelRunner(loaded, EngineConfig(block_size=BLOCK_SIZE, num_blocks=512))
+        fused = runner.model.fused_decode
+        if fused is None:
+            pytest.skip("no fused decode here (needs the native kernels)")
+        assert fused.gemm_kind == "gguf"
+        assert fused.max_rows == ql.dequantize_min_rows(library) - 1
+        _assert_fused_equals_layers(runner, [7, 20])
+        _assert_fused_equals_layers(runner, PROMPT_LENGTHS + [3, 30])
+        if fused.max_rows < 256:  # the float32 tiles take every step the dense GEMM would
+            _assert_fused_equals_layers(runner, [1 + n % 9 for n in range(fused.max_rows + 1)],
+                                        covered=False)
 
 
 def test_fused_decode_can_be_switched_off(monkeypatch):

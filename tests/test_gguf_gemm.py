@@ -163,6 +163,34 @@ def check_tiles_against_the_rounded_weights(library, kind: T) -> None:
                                    f"{error.max():.3g} beyond the bound by {excess.max():.3g}")
 
 
+@pytest.mark.parametrize("kind", (T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K), ids=lambda t: t.name)
+def test_float32_tiles_are_the_dense_gemm_on_the_rounded_weights_bit_for_bit(kind: T) -> None:
+    """The tiles' float32 form runs, from a few dozen rows on, the dense GEMM's own float32
+    micro-tiles on weight panels decoded per tile: the dense GEMM (same form) on the
+    dequantized bf16 weight gives the same sums, so the same bits once rounded to bf16.
+    Weights of 1, 2 and 3 whole panels and some more blocks; rows in and past micro-tiles."""
+    from pagedgen.kernels.cpu import native
+
+    if not build.cpu_supports("avx512_bf16") or native.gemm_kind() != "avx512":
+        pytest.skip("needs the AVX-512 BF16 tiles and the dense AVX-512 BF16 GEMM")
+    library = kernels.load_path("avx512_bf16")
+    rng = np.random.default_rng(300 + int(kind))
+    taken = native.avx512_linear_form()
+    native.avx512_linear_form(1)
+    try:
+        with tiles_in_form(library, 1):
+            for n, m in ((48, 29), (96, 64), (160, 40), (208, 33)):
+                k = 512
+                blocks = random_blocks(kind, n, k, rng)
+                x = activations(m, k, rng, torch.bfloat16)
+                tiles = kernels.gemm(library, int(kind), blocks, k, x, bf16_from_rows=1)
+                weight = torch.from_numpy(dequantize(blocks, kind)).to(torch.bfloat16)
+                dense = native.avx512_linear(x, native.gemm_pack(weight), n)
+                assert torch.equal(tiles.to(torch.bfloat16), dense), (kind.name, n, m)
+    finally:
+        native.avx512_linear_form(taken)
+
+
 def test_bf16_tiles_run_only_where_asked_and_for_bf16_rows() -> None:
     """From bf16_from_rows rows on (bf16 x only) the tiles answer; below, for float32 x, and in
     every library without them, the int8 kernel does, bit for bit the same as when not asked."""

@@ -18,39 +18,6 @@
 
 #include "gemm_common.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
-/* A tile is a 16 x 16 transpose of 32-bit words (row col's pair k2 -> tile row k2, slot col):
- * four stages of in-register shuffles. Packing then runs at memory speed, which matters
- * where a weight is packed per call (a GGUF weight dequantized for a large-row call). */
-static void pack_tile(const uint16_t *w, int64_t k, uint16_t *tile) {
-    __m512i a[16], b[16];
-    for (int col = 0; col < 16; col++) a[col] = _mm512_loadu_si512(w + col * k);
-    for (int i = 0; i < 16; i += 2) { /* words of rows i, i + 1 interleaved */
-        b[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
-        b[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4)
-        for (int j = 0; j < 2; j++) { /* pairs of rows i..i + 3 */
-            a[i + j] = _mm512_unpacklo_epi64(b[i + j], b[i + j + 2]);
-            a[i + j + 2] = _mm512_unpackhi_epi64(b[i + j], b[i + j + 2]);
-        }
-    for (int i = 0; i < 16; i += 8)
-        for (int j = 0; j < 4; j++) { /* 128-bit lanes of rows i..i + 7 */
-            b[i + j] = _mm512_shuffle_i32x4(a[i + j], a[i + j + 4], _MM_SHUFFLE(2, 0, 2, 0));
-            b[i + j + 4] = _mm512_shuffle_i32x4(a[i + j], a[i + j + 4], _MM_SHUFFLE(3, 1, 3, 1));
-        }
-    for (int j = 0; j < 8; j++) {
-        a[j] = _mm512_shuffle_i32x4(b[j], b[j + 8], _MM_SHUFFLE(2, 0, 2, 0));
-        a[j + 8] = _mm512_shuffle_i32x4(b[j], b[j + 8], _MM_SHUFFLE(3, 1, 3, 1));
-    }
-    /* a[j] holds tile row row_of[j]: the unpacks leave rows 1 and 2 of each four swapped */
-    static const int row_of[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
-    for (int j = 0; j < 16; j++) _mm512_storeu_si512(tile + row_of[j] * 32, a[j]);
-}
-#endif
-
 /* Always compiled: the AVX-512 BF16 kernel (gemm_avx512.c) reads the same layout. */
 int amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
     if (n % 16 != 0 || k % 32 != 0) return 1;
@@ -59,7 +26,7 @@ int amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
         for (int64_t kb = 0; kb < kblocks; kb++) {
             uint16_t *tile = out + (nb * kblocks + kb) * GEMM_TILE_ELEMS;
 #if defined(__AVX512F__)
-            pack_tile(w + nb * 16 * k + kb * 32, k, tile);
+            gemm_pack_tile(w + nb * 16 * k + kb * 32, k, tile);
 #else
             for (int k2 = 0; k2 < 16; k2++)
                 for (int col = 0; col < 16; col++) {

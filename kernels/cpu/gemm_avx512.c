@@ -7,13 +7,12 @@
  *
  * The weight is the AMX kernel's packing (gemm_common.h): per 16-column block, each input
  * pair is 64 bytes, exactly one zmm operand of VDPBF16PS, so one packed copy serves both
- * kernels. A micro-tile keeps R rows x C column blocks of float32 sums in registers (8 x 3:
- * 24 of the 32 zmm); per input pair it loads C weight vectors, broadcasts R pairs of x and
- * issues R * C VDPBF16PS. A thread walks its column groups one at a time, all row blocks of a
- * group before the next (the group's panels stay in L2 after the first row block), and
- * prefetches the next group's panels into L2 during the first row block. Threads (torch's
- * OpenMP runtime) split the column groups, and the rows too where groups are fewer than
- * threads.
+ * kernels. A micro-tile (gemm_micro_tiles.h) keeps R rows x C column blocks of float32 sums
+ * in registers (8 x 3: 24 of the 32 zmm). A thread walks its column groups one at a time, all
+ * row blocks of a group before the next (the group's panels stay in L2 after the first row
+ * block), and prefetches the next group's panels into L2 during the first row block. Threads
+ * (torch's OpenMP runtime) split the column groups, and the rows too where groups are fewer
+ * than threads.
  * Each output row's sums run over the inputs in the same order whatever M is: a row gets the
  * same bits in every batch. Accumulation is float32; outputs are rounded to bfloat16 (nearest
  * even) after the bias, as the AMX kernel does.
@@ -33,6 +32,7 @@
 #include <string.h>
 
 #include "gemm_common.h"
+#include "gemm_micro_tiles.h"
 #include "team_ops.h"
 #include "x86_common.h"
 
@@ -41,20 +41,18 @@
 #include <omp.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-#ifndef TILE_ROWS /* -D overrides: for trying other tile shapes */
-#define TILE_ROWS 8 /* R: rows per micro-tile */
-#endif
-#ifndef GROUP
-#define GROUP 3 /* C: 16-column blocks per micro-tile */
-#endif
+#define TILE_ROWS MICRO_TILE_ROWS /* R: rows per micro-tile */
+#define GROUP MICRO_TILE_BLOCKS   /* C: 16-column blocks per micro-tile */
 #ifndef WIDE_MIN_ROWS
 #define WIDE_MIN_ROWS 8 /* the float32 form from here (bench/bench_gemm.py --forms) */
 #endif
 
-ALWAYS_INLINE __m512bh x_pair(const uint16_t *x) { /* x[0], x[1] in every 32-bit lane */
-    int32_t pair;
-    memcpy(&pair, x, sizeof pair);
-    return (__m512bh)_mm512_set1_epi32(pair);
+ALWAYS_INLINE void store_tile(MicroTileSums acc, const uint16_t *bias, GemmOut out, int64_t row,
+                              int64_t col_block, int R, int C) {
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            gemm_store16(acc[r][c], bias ? bias + (col_block + c) * 16 : NULL, out, row + r,
+                         (col_block + c) * 16);
 }
 
 /* Rows row..row+R-1 times column blocks col_block..col_block+C-1 over all `pairs` input pairs,
@@ -63,73 +61,18 @@ ALWAYS_INLINE __m512bh x_pair(const uint16_t *x) { /* x[0], x[1] in every 32-bit
 ALWAYS_INLINE void micro_tile(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
                               const uint16_t *next, int64_t pairs, const uint16_t *bias,
                               GemmOut out, int64_t row, int64_t col_block, int R, int C) {
-    const int64_t panel_elems = pairs * GEMM_PAIR_ELEMS;
-    __m512 acc[8][GROUP]; /* 8: the most rows column_group asks for */
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < pairs; p++) {
-        __m512bh w[GROUP];
-        for (int c = 0; c < C; c++)
-            w[c] = (__m512bh)_mm512_loadu_si512(panel + c * panel_elems + p * GEMM_PAIR_ELEMS);
-        if (next)
-            for (int c = 0; c < C; c++)
-                _mm_prefetch((const char *)(next + c * panel_elems + p * GEMM_PAIR_ELEMS),
-                             _MM_HINT_T1);
-        for (int r = 0; r < R; r++) {
-            const __m512bh xr = x_pair(x + r * x_stride + 2 * p);
-            for (int c = 0; c < C; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xr, w[c]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++)
-            gemm_store16(acc[r][c], bias ? bias + (col_block + c) * 16 : NULL, out, row + r,
-                         (col_block + c) * 16);
+    MicroTileSums acc;
+    bf16_tile_sums(x, x_stride, panel, next, pairs, R, C, acc);
+    store_tile(acc, bias, out, row, col_block, R, C);
 }
-
-/* Row stride of the float32 form's widened rows: k plus one cache line, so that a tile's rows
- * do not all fall into one L1 set when k is a multiple of 1024. */
-#define WIDE_STRIDE(k) ((k) + 16)
 
 /* The float32 form of micro_tile: x_wide holds the R rows widened, WIDE_STRIDE(k) apart. */
 ALWAYS_INLINE void micro_tile_wide(const float *x_wide, const uint16_t *panel,
                                    const uint16_t *next, int64_t pairs, const uint16_t *bias,
                                    GemmOut out, int64_t row, int64_t col_block, int R, int C) {
-    const int64_t panel_elems = pairs * GEMM_PAIR_ELEMS, stride = WIDE_STRIDE(2 * pairs);
-    __m512 acc[8][GROUP];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < pairs; p++) {
-        __m512 even_w[GROUP], odd_w[GROUP];
-        for (int c = 0; c < C; c++) {
-            const __m512i w =
-                _mm512_loadu_si512(panel + c * panel_elems + p * GEMM_PAIR_ELEMS);
-            even_w[c] = bf16_pairs_even(w);
-            odd_w[c] = bf16_pairs_odd(w);
-        }
-        if (next)
-            for (int c = 0; c < C; c++)
-                _mm_prefetch((const char *)(next + c * panel_elems + p * GEMM_PAIR_ELEMS),
-                             _MM_HINT_T1);
-        for (int r = 0; r < R; r++) {
-            const __m512 x0 = _mm512_set1_ps(x_wide[r * stride + 2 * p]);
-            const __m512 x1 = _mm512_set1_ps(x_wide[r * stride + 2 * p + 1]);
-            for (int c = 0; c < C; c++)
-                acc[r][c] =
-                    _mm512_fmadd_ps(x1, odd_w[c], _mm512_fmadd_ps(x0, even_w[c], acc[r][c]));
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++)
-            gemm_store16(acc[r][c], bias ? bias + (col_block + c) * 16 : NULL, out, row + r,
-                         (col_block + c) * 16);
-}
-
-/* Rows of x (bf16, x_stride apart) -> float32 rows of k values, WIDE_STRIDE(k) apart, exact. */
-static void widen_rows(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t k,
-                       float *wide) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < k; i += 16)
-            _mm512_storeu_ps(wide + r * WIDE_STRIDE(k) + i, bf16x16_to_f32(x + r * x_stride + i));
+    MicroTileSums acc;
+    wide_tile_sums(x_wide, panel, next, pairs, R, C, acc);
+    store_tile(acc, bias, out, row, col_block, R, C);
 }
 
 /* Rows row..row+rows-1 of column blocks col_block..col_block+C-1: whole 8-row tiles, then the

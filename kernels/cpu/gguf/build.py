@@ -26,8 +26,9 @@ SOURCE = Path(__file__).with_name("gguf_gemm.c")
 # Files SOURCE includes: part of the library's cache key.
 INCLUDED = tuple(Path(__file__).with_name(name)
                  for name in ("gguf_registers.c", "gguf_avx512.c", "gguf_avx2.c",
-                              "gguf_bf16_tiles.c")) + (Path(__file__).parent.parent
-                                                       / "x86_common.h",)
+                              "gguf_bf16_tiles.c")) + tuple(
+    Path(__file__).parent.parent / name
+    for name in ("x86_common.h", "gemm_common.h", "gemm_micro_tiles.h"))
 COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-strict-aliasing"]
 # Path name -> its own target flags; the number is the path's id for gguf_cpu_supports().
 PATH_FLAGS = {

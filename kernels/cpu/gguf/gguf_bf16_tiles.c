@@ -16,8 +16,12 @@
  * x86_common.h; Intel Xeons without usable AMX): the bf16 pairs of the tile and of the
  * activations are split in registers into their even and odd values widened to float32 (a
  * shift and a mask), and each product is an FMA: the same exact products as VDPBF16PS's,
- * summed in another order.
+ * summed in another order. From PANEL_MIN_ROWS rows on it takes panel tiles instead: rows
+ * decoded the same way, packed into the dense GEMM's layout and run through its own
+ * micro-tiles (gemm_micro_tiles.h), which broadcast the activations rather than reduce
+ * sums across lanes, and so give the dense GEMM's bits on the dequantized weight.
  */
+#include "../gemm_micro_tiles.h"
 #include "../x86_common.h"
 
 /* Which form the tiles take: -1 until first asked, then as timed (or as set for tests). */
@@ -195,6 +199,120 @@ static void rows_through_tile(int whole_tile_in_l1, const uint16_t *tile, const 
     }
 }
 
+/* ---- panel tiles: weight rows decoded into the dense GEMM's packed layout ---------------- */
+
+/* Weight rows per panel tile: the dense GEMM's micro-tile width, three 16-row blocks. */
+#define PANEL_ROWS (16 * MICRO_TILE_BLOCKS)
+/* The float32 form takes panel tiles from here, wide_pass below: packing the decoded rows
+ * pays from about this many activation rows on (bench/GGUF_FIGURES.md). */
+#ifndef PANEL_MIN_ROWS
+#define PANEL_MIN_ROWS 24
+#endif
+
+/* A micro-tile's float32 sums -> y: rows r < R, blocks c < C, of the last block only its first
+ * last_cols columns (the rest stood in for rows past the weight's end). */
+static inline __attribute__((always_inline)) void store_sums(MicroTileSums acc, float *y,
+                                                            int64_t y_stride, int R, int C,
+                                                            int last_cols) {
+    const __mmask16 last = (__mmask16)((1u << last_cols) - 1);
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            _mm512_mask_storeu_ps(y + r * y_stride + c * 16, c == C - 1 ? last : 0xFFFF,
+                                  acc[r][c]);
+}
+
+/* Every activation row against C packed blocks (panel), micro-tile by micro-tile; the float32
+ * form widens each tile's rows into x_wide first. */
+static inline __attribute__((always_inline)) void rows_through_panel(
+        int wide, const uint16_t *x, int64_t x_stride, float *x_wide, const uint16_t *panel,
+        int64_t pairs, int64_t m_rows, float *y, int64_t y_stride, int C, int last_cols) {
+    for (int64_t row = 0; row < m_rows; row += MICRO_TILE_ROWS) {
+        const int R = m_rows - row < MICRO_TILE_ROWS ? (int)(m_rows - row) : MICRO_TILE_ROWS;
+        const uint16_t *xr = x + row * x_stride;
+        float *yr = y + row * y_stride;
+        MicroTileSums acc;
+        if (wide) widen_rows(xr, x_stride, R, 2 * pairs, x_wide);
+#define SUMS(R_)                                                                   \
+        if (wide) wide_tile_sums(x_wide, panel, NULL, pairs, R_, C, acc);          \
+        else bf16_tile_sums(xr, x_stride, panel, NULL, pairs, R_, C, acc);          \
+        store_sums(acc, yr, y_stride, R_, C, last_cols)
+        switch (R) { /* constant R: the sums stay in registers */
+        case 1: SUMS(1); break;
+        case 2: SUMS(2); break;
+        case 3: SUMS(3); break;
+        case 4: SUMS(4); break;
+        case 5: SUMS(5); break;
+        case 6: SUMS(6); break;
+        case 7: SUMS(7); break;
+        default: SUMS(MICRO_TILE_ROWS); break;
+        }
+#undef SUMS
+    }
+}
+
+static void rows_through_full_panel(int wide, const uint16_t *x, int64_t x_stride, float *x_wide,
+                                    const uint16_t *panel, int64_t pairs, int64_t m_rows, float *y,
+                                    int64_t y_stride, int last_cols) {
+    rows_through_panel(wide, x, x_stride, x_wide, panel, pairs, m_rows, y, y_stride,
+                       MICRO_TILE_BLOCKS, last_cols);
+}
+
+/* A narrower last tile (the weight's rows not a multiple of PANEL_ROWS): one block at a time. */
+static void rows_through_block(int wide, const uint16_t *x, int64_t x_stride, float *x_wide,
+                               const uint16_t *panel, int64_t pairs, int64_t m_rows, float *y,
+                               int64_t y_stride, int last_cols) {
+    rows_through_panel(wide, x, x_stride, x_wide, panel, pairs, m_rows, y, y_stride, 1,
+                       last_cols);
+}
+
+/* bf16_tiles_team's contract with tiles of PANEL_ROWS weight rows decoded to bf16 (16 rows at a
+ * time through a row buffer in L1) and packed into the dense GEMM's layout, then every
+ * activation row run through them by its micro-tiles: the dense GEMM's arithmetic on the
+ * dequantized weight, so the same sums, with the weight read as stored. */
+static int panel_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
+                            int64_t n_rows, int64_t k, const uint16_t *x, int64_t x_stride,
+                            int64_t m_rows, float *y, int64_t y_stride, int wide) {
+    const int64_t pairs = k / 2, panel_elems = pairs * GEMM_PAIR_ELEMS;
+    uint16_t *rows16 = aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * k));
+    uint16_t *panel = aligned_alloc(64, sizeof(uint16_t) * (size_t)(PANEL_ROWS * k));
+    float *x_wide =
+        wide ? aligned_alloc(64, sizeof(float) * (size_t)(MICRO_TILE_ROWS * WIDE_STRIDE(k))) : NULL;
+    const int ok = rows16 != NULL && panel != NULL && (x_wide != NULL || !wide);
+#pragma omp for schedule(static)
+    for (int64_t first = 0; first < n_rows; first += PANEL_ROWS) {
+        if (!ok) continue;
+        const int rows = (int)(n_rows - first < PANEL_ROWS ? n_rows - first : PANEL_ROWS);
+        const int blocks = (rows + 15) / 16, last_cols = rows - 16 * (blocks - 1);
+        for (int b = 0; b < blocks; b++) {
+            for (int r = 0; r < 16; r++) {  /* the last row stands in for missing ones */
+                const int64_t at = first + (16 * b + r < rows ? 16 * b + r : rows - 1);
+                decode_row_values(type, weight_row(w, row_bytes, row_map, at), k, rows16 + r * k,
+                                  1);
+                if (at + PANEL_ROWS < n_rows) {  /* the next tile's row, into L2 */
+                    const char *next = (const char *)weight_row(w, row_bytes, row_map,
+                                                                at + PANEL_ROWS);
+                    for (int64_t line = 0; line < row_bytes; line += 64)
+                        _mm_prefetch(next + line, _MM_HINT_T1);
+                }
+            }
+            for (int64_t at = 0; at < k; at += 32)
+                gemm_pack_tile(rows16 + at, k, panel + b * panel_elems + at / 32 * GEMM_TILE_ELEMS);
+        }
+        if (blocks == MICRO_TILE_BLOCKS)
+            rows_through_full_panel(wide, x, x_stride, x_wide, panel, pairs, m_rows, y + first,
+                                    y_stride, last_cols);
+        else
+            for (int b = 0; b < blocks; b++)
+                rows_through_block(wide, x, x_stride, x_wide, panel + b * panel_elems, pairs,
+                                   m_rows, y + first + 16 * b, y_stride,
+                                   b == blocks - 1 ? last_cols : 16);
+    }
+    free(rows16);
+    free(panel);
+    free(x_wide);
+    return ok;
+}
+
 /* y's n_rows columns for bf16 x, in tiles of BF16_TILE_ROWS weight rows shared out among the
  * team (every thread of the region calls it; it ends in a barrier), each tile decoded once and
  * run against all m_rows activation rows. Returns 0 where this thread could not allocate its
@@ -204,6 +322,10 @@ static int bf16_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const 
                            int64_t m_rows, float *y, int64_t y_stride) {
     /* rows_through_tile's order (each measured 1.1-1.4x slower on the other's shapes: K = 576
      * and 640 against 2048). */
+    const int form = gguf_bf16_tiles_form(-2);
+    if (form == 1 && m_rows >= PANEL_MIN_ROWS)
+        return panel_tiles_team(type, w, row_bytes, row_map, n_rows, k, x, x_stride, m_rows, y,
+                                y_stride, 1);
     const int whole_tile_in_l1 = BF16_TILE_ROWS * k * (int64_t)sizeof(uint16_t) <= TILE_L1_BYTES;
     uint16_t *tile = aligned_alloc(64, sizeof(uint16_t) * (size_t)(BF16_TILE_ROWS * k + 32));
     const int ok = tile != NULL, wide = gguf_bf16_tiles_form(-2) == 1;

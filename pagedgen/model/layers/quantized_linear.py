@@ -12,7 +12,8 @@ Three kernels, chosen by the number of rows (bench/bench_gguf_gemm.py measures t
    blocks decoded in registers);
  - bf16 activations from tiles_min_rows() rows on, where the library has AVX-512 BF16: the
    bf16 tile GEMM (a few weight rows decoded to bf16 in cache, then run against every row),
-   which computes what the dequantized bf16 path computes;
+   which computes what the dequantized bf16 path computes (in its float32 form, from a few
+   dozen rows on, with the dense GEMM's own micro-tiles);
  - from dequantize_min_rows() on: the weight dequantized to bf16 for the call and the dense
    GEMM, whose blocking wins on many rows.
 Batch-invariant mode keeps the int8 kernels at every row count, so that a row's result does not
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from pagedgen.kernels.cpu import gguf as gguf_kernels
-from pagedgen.model.layers.dense_linear import dense_linear, pack_weight
+from pagedgen.model.layers.dense_linear import AVX512_MAX_ROWS, dense_linear, pack_weight
 
 
 def _cpu_vendor() -> str:
@@ -42,15 +43,18 @@ def _cpu_vendor() -> str:
 
 # bf16 rows: int8 kernels below, bf16 tiles from here (AVX-512 BF16). The crossover is measured
 # per CPU kind (bench/GGUF_FIGURES.md): 4 rows on AMD Zen 4; on Intel Xeon (Sapphire / Emerald
-# Rapids) 8, and 24 for projections of K-quants only, whose int8 kernel sums whole
-# super-blocks in integers and stays ahead of the tiles longer there. AMD's K-quant crossover
-# is not yet measured since that kernel changed, so it keeps the 4 it had.
+# Rapids, the tiles' float32 form) 8, and 16 for projections of K-quants only, whose int8
+# kernel sums whole super-blocks in integers and stays ahead of the tiles longer there. AMD's
+# K-quant crossover is not yet measured since that kernel changed, so it keeps the 4 it had.
 _INTEL = _cpu_vendor() == "GenuineIntel"
 BF16_TILES_MIN_ROWS = 8 if _INTEL else 4
-BF16_TILES_MIN_ROWS_K_QUANTS = 24 if _INTEL else 4
+BF16_TILES_MIN_ROWS_K_QUANTS = 16 if _INTEL else 4
 K_QUANTS = frozenset({12, 13, 14})  # ggml's Q4_K, Q5_K, Q6_K
 DEQUANTIZE_MIN_ROWS = 64  # without bf16 tiles: int8 kernels below, dequantize + GEMM from here
 DEQUANTIZE_MIN_ROWS_AFTER_TILES = 192  # with them: the tiles below, dequantize + GEMM from here
+# The tiles' float32 form runs the dense GEMM's own micro-tiles on weight panels decoded per
+# tile: dequantize + GEMM measured no faster up to the dense GEMM's row limit.
+DEQUANTIZE_MIN_ROWS_AFTER_FLOAT32_TILES = AVX512_MAX_ROWS + 1
 
 
 def tiles_min_rows(tensor_types) -> int:
@@ -62,8 +66,11 @@ def tiles_min_rows(tensor_types) -> int:
 
 
 def dequantize_min_rows(library: gguf_kernels.GgufLibrary) -> int:
-    """Rows from which dequantize + dense GEMM beats the packed kernels of this library."""
+    """Rows from which dequantize + dense GEMM beats the packed kernels of this library (in
+    the tiles' form now in use)."""
     if gguf_kernels.has_bf16_tiles(library):
+        if gguf_kernels.tiles_form(library) == 1:
+            return DEQUANTIZE_MIN_ROWS_AFTER_FLOAT32_TILES
         return DEQUANTIZE_MIN_ROWS_AFTER_TILES
     return DEQUANTIZE_MIN_ROWS
 
