@@ -80,12 +80,12 @@ ALWAYS_INLINE void micro_tile_wide(const float *x_wide, const uint16_t *panel,
 ALWAYS_INLINE void column_group(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
                                 const uint16_t *next, int64_t pairs, const uint16_t *bias,
                                 GemmOut out, int64_t row, int64_t rows, int64_t col_block, int C,
-                                float *x_wide) {
+                                const WidenedRows *wide) {
     const int64_t end = row + rows;
-    if (x_wide) { /* the float32 form (its remainder rows too) */
+    if (wide) { /* the float32 form (its remainder rows too) */
         for (; row < end; row += TILE_ROWS, next = NULL) {
             const int R = end - row < TILE_ROWS ? (int)(end - row) : TILE_ROWS;
-            widen_rows(x + row * x_stride, x_stride, R, 2 * pairs, x_wide);
+            const float *x_wide = widened_rows_at(*wide, x, x_stride, row, R, 2 * pairs);
 #define WIDE_TILE(R) micro_tile_wide(x_wide, panel, next, pairs, bias, out, row, col_block, R, C)
             switch (R) { /* constant R: the sums stay in registers */
             case 1: WIDE_TILE(1); break;
@@ -119,16 +119,16 @@ ALWAYS_INLINE void column_group(const uint16_t *x, int64_t x_stride, const uint1
 
 static void full_group(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
                        const uint16_t *next, int64_t pairs, const uint16_t *bias, GemmOut out,
-                       int64_t row, int64_t rows, int64_t col_block, float *x_wide) {
+                       int64_t row, int64_t rows, int64_t col_block, const WidenedRows *wide) {
     column_group(x, x_stride, panel, next, pairs, bias, out, row, rows, col_block, GROUP,
-                 x_wide);
+                 wide);
 }
 
 /* A narrower last group (N / 16 not a multiple of GROUP): one block at a time. */
 static void single_block(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
                          int64_t pairs, const uint16_t *bias, GemmOut out, int64_t row,
-                         int64_t rows, int64_t col_block, float *x_wide) {
-    column_group(x, x_stride, panel, NULL, pairs, bias, out, row, rows, col_block, 1, x_wide);
+                         int64_t rows, int64_t col_block, const WidenedRows *wide) {
+    column_group(x, x_stride, panel, NULL, pairs, bias, out, row, rows, col_block, 1, wide);
 }
 
 int avx512_bf16_available(void) { return 1; }
@@ -150,10 +150,6 @@ int avx512_linear_supported(int64_t m, int64_t n, int64_t k) {
 static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                          const uint16_t *bias, GemmOut out, int64_t m, int64_t k, int me,
                          int threads, int wide) {
-    /* the float32 form's rows of one micro-tile; without the buffer (none asked for, or out
-     * of memory) the VDPBF16PS form, correct all the same */
-    float *x_wide =
-        wide ? aligned_alloc(64, (size_t)TILE_ROWS * WIDE_STRIDE(k) * sizeof(float)) : NULL;
     const int64_t pairs = k / 2, panel_elems = pairs * GEMM_PAIR_ELEMS, blocks = out.n / 16;
     const int64_t groups = (blocks + GROUP - 1) / GROUP;
     const int64_t row_tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
@@ -161,6 +157,11 @@ static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *pa
     parts = parts < row_tiles ? parts : row_tiles;
     const int64_t items = groups * parts;
     const int64_t first = items * me / threads, last = items * (me + 1) / threads;
+    /* the float32 form's widened rows; without them (none asked for, no work here, or out of
+     * memory) the VDPBF16PS form, correct all the same */
+    WidenedRows rows_wide = {NULL, 0};
+    if (wide && first < last) rows_wide = widened_rows_new(x, x_stride, m, k);
+    const WidenedRows *x_wide = rows_wide.data ? &rows_wide : NULL;
     for (int64_t item = first; item < last; item++) {
         const int64_t g = item / parts, part = item % parts;
         const int64_t row = row_tiles * part / parts * TILE_ROWS;
@@ -178,7 +179,7 @@ static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *pa
                 single_block(x, x_stride, panel + b * panel_elems, pairs, bias, out, row, rows,
                              block + b, x_wide);
     }
-    free(x_wide);
+    free(rows_wide.data);
 }
 
 int avx512_linear_wide_min_rows(void) { return WIDE_MIN_ROWS; }

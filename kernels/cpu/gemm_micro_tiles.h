@@ -103,6 +103,35 @@ static inline void widen_rows(const uint16_t *x, int64_t x_stride, int64_t rows,
         for (int64_t i = 0; i < k; i += 16)
             _mm512_storeu_ps(wide + r * WIDE_STRIDE(k) + i, bf16x16_to_f32(x + r * x_stride + i));
 }
+
+/* A call's activations widened for the float32 form, per thread: all m rows once where they
+ * take at most WIDE_ALL_ROWS_BYTES (decode steps, prefill chunks of a few hundred rows:
+ * widening a micro-tile's rows again for every column group cost 6-14% of the GEMM), else one
+ * micro-tile's rows at a time. data NULL: out of memory (the caller takes the VDPBF16PS
+ * form, correct all the same). */
+#define WIDE_ALL_ROWS_BYTES (4 << 20)
+
+typedef struct {
+    float *data;
+    int all_rows;
+} WidenedRows;
+
+static inline WidenedRows widened_rows_new(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k) {
+    const int all_rows = m * WIDE_STRIDE(k) * (int64_t)sizeof(float) <= WIDE_ALL_ROWS_BYTES;
+    const int64_t rows = all_rows ? m : MICRO_TILE_ROWS;
+    WidenedRows wide = {aligned_alloc(64, (size_t)(rows * WIDE_STRIDE(k)) * sizeof(float)),
+                     all_rows};
+    if (wide.data && all_rows) widen_rows(x, x_stride, m, k, wide.data);
+    return wide;
+}
+
+/* Rows row..row+R-1 of x widened: in place where all rows are, else widened now. */
+static inline const float *widened_rows_at(WidenedRows wide, const uint16_t *x, int64_t x_stride,
+                                        int64_t row, int R, int64_t k) {
+    if (wide.all_rows) return wide.data + row * WIDE_STRIDE(k);
+    widen_rows(x + row * x_stride, x_stride, R, k, wide.data);
+    return wide.data;
+}
 #endif
 
 #endif

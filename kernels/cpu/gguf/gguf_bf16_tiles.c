@@ -221,21 +221,18 @@ static inline __attribute__((always_inline)) void store_sums(MicroTileSums acc, 
                                   acc[r][c]);
 }
 
-/* Every activation row against C packed blocks (panel), micro-tile by micro-tile; the float32
- * form widens each tile's rows into x_wide first. */
+/* Every activation row against C packed blocks (panel), micro-tile by micro-tile, in the
+ * float32 form (the rows widened by `wide`). */
 static inline __attribute__((always_inline)) void rows_through_panel(
-        int wide, const uint16_t *x, int64_t x_stride, float *x_wide, const uint16_t *panel,
-        int64_t pairs, int64_t m_rows, float *y, int64_t y_stride, int C, int last_cols) {
+        WidenedRows wide, const uint16_t *x, int64_t x_stride, const uint16_t *panel, int64_t pairs,
+        int64_t m_rows, float *y, int64_t y_stride, int C, int last_cols) {
     for (int64_t row = 0; row < m_rows; row += MICRO_TILE_ROWS) {
         const int R = m_rows - row < MICRO_TILE_ROWS ? (int)(m_rows - row) : MICRO_TILE_ROWS;
-        const uint16_t *xr = x + row * x_stride;
-        float *yr = y + row * y_stride;
+        const float *x_wide = widened_rows_at(wide, x, x_stride, row, R, 2 * pairs);
         MicroTileSums acc;
-        if (wide) widen_rows(xr, x_stride, R, 2 * pairs, x_wide);
-#define SUMS(R_)                                                                   \
-        if (wide) wide_tile_sums(x_wide, panel, NULL, pairs, R_, C, acc);          \
-        else bf16_tile_sums(xr, x_stride, panel, NULL, pairs, R_, C, acc);          \
-        store_sums(acc, yr, y_stride, R_, C, last_cols)
+#define SUMS(R_)                                                      \
+        wide_tile_sums(x_wide, panel, NULL, pairs, R_, C, acc);       \
+        store_sums(acc, y + row * y_stride, y_stride, R_, C, last_cols)
         switch (R) { /* constant R: the sums stay in registers */
         case 1: SUMS(1); break;
         case 2: SUMS(2); break;
@@ -250,34 +247,32 @@ static inline __attribute__((always_inline)) void rows_through_panel(
     }
 }
 
-static void rows_through_full_panel(int wide, const uint16_t *x, int64_t x_stride, float *x_wide,
+static void rows_through_full_panel(WidenedRows wide, const uint16_t *x, int64_t x_stride,
                                     const uint16_t *panel, int64_t pairs, int64_t m_rows, float *y,
                                     int64_t y_stride, int last_cols) {
-    rows_through_panel(wide, x, x_stride, x_wide, panel, pairs, m_rows, y, y_stride,
-                       MICRO_TILE_BLOCKS, last_cols);
-}
-
-/* A narrower last tile (the weight's rows not a multiple of PANEL_ROWS): one block at a time. */
-static void rows_through_block(int wide, const uint16_t *x, int64_t x_stride, float *x_wide,
-                               const uint16_t *panel, int64_t pairs, int64_t m_rows, float *y,
-                               int64_t y_stride, int last_cols) {
-    rows_through_panel(wide, x, x_stride, x_wide, panel, pairs, m_rows, y, y_stride, 1,
+    rows_through_panel(wide, x, x_stride, panel, pairs, m_rows, y, y_stride, MICRO_TILE_BLOCKS,
                        last_cols);
 }
 
-/* bf16_tiles_team's contract with tiles of PANEL_ROWS weight rows decoded to bf16 (16 rows at a
- * time through a row buffer in L1) and packed into the dense GEMM's layout, then every
- * activation row run through them by its micro-tiles: the dense GEMM's arithmetic on the
- * dequantized weight, so the same sums, with the weight read as stored. */
+/* A narrower last tile (the weight's rows not a multiple of PANEL_ROWS): one block at a time. */
+static void rows_through_block(WidenedRows wide, const uint16_t *x, int64_t x_stride,
+                               const uint16_t *panel, int64_t pairs, int64_t m_rows, float *y,
+                               int64_t y_stride, int last_cols) {
+    rows_through_panel(wide, x, x_stride, panel, pairs, m_rows, y, y_stride, 1, last_cols);
+}
+
+/* bf16_tiles_team's contract, in the float32 form, with tiles of PANEL_ROWS weight rows decoded
+ * to bf16 (16 rows at a time through a row buffer in L1) and packed into the dense GEMM's
+ * layout, then every activation row run through them by its micro-tiles: the dense GEMM's
+ * arithmetic on the dequantized weight, so the same sums, with the weight read as stored. */
 static int panel_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
                             int64_t n_rows, int64_t k, const uint16_t *x, int64_t x_stride,
-                            int64_t m_rows, float *y, int64_t y_stride, int wide) {
+                            int64_t m_rows, float *y, int64_t y_stride) {
     const int64_t pairs = k / 2, panel_elems = pairs * GEMM_PAIR_ELEMS;
     uint16_t *rows16 = aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * k));
     uint16_t *panel = aligned_alloc(64, sizeof(uint16_t) * (size_t)(PANEL_ROWS * k));
-    float *x_wide =
-        wide ? aligned_alloc(64, sizeof(float) * (size_t)(MICRO_TILE_ROWS * WIDE_STRIDE(k))) : NULL;
-    const int ok = rows16 != NULL && panel != NULL && (x_wide != NULL || !wide);
+    const WidenedRows wide = widened_rows_new(x, x_stride, m_rows, k);
+    const int ok = rows16 != NULL && panel != NULL && wide.data != NULL;
 #pragma omp for schedule(static)
     for (int64_t first = 0; first < n_rows; first += PANEL_ROWS) {
         if (!ok) continue;
@@ -299,17 +294,16 @@ static int panel_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const
                 gemm_pack_tile(rows16 + at, k, panel + b * panel_elems + at / 32 * GEMM_TILE_ELEMS);
         }
         if (blocks == MICRO_TILE_BLOCKS)
-            rows_through_full_panel(wide, x, x_stride, x_wide, panel, pairs, m_rows, y + first,
-                                    y_stride, last_cols);
+            rows_through_full_panel(wide, x, x_stride, panel, pairs, m_rows, y + first, y_stride,
+                                    last_cols);
         else
             for (int b = 0; b < blocks; b++)
-                rows_through_block(wide, x, x_stride, x_wide, panel + b * panel_elems, pairs,
-                                   m_rows, y + first + 16 * b, y_stride,
-                                   b == blocks - 1 ? last_cols : 16);
+                rows_through_block(wide, x, x_stride, panel + b * panel_elems, pairs, m_rows,
+                                   y + first + 16 * b, y_stride, b == blocks - 1 ? last_cols : 16);
     }
     free(rows16);
     free(panel);
-    free(x_wide);
+    free(wide.data);
     return ok;
 }
 
@@ -325,7 +319,7 @@ static int bf16_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const 
     const int form = gguf_bf16_tiles_form(-2);
     if (form == 1 && m_rows >= PANEL_MIN_ROWS)
         return panel_tiles_team(type, w, row_bytes, row_map, n_rows, k, x, x_stride, m_rows, y,
-                                y_stride, 1);
+                                y_stride);
     const int whole_tile_in_l1 = BF16_TILE_ROWS * k * (int64_t)sizeof(uint16_t) <= TILE_L1_BYTES;
     uint16_t *tile = aligned_alloc(64, sizeof(uint16_t) * (size_t)(BF16_TILE_ROWS * k + 32));
     const int ok = tile != NULL, wide = gguf_bf16_tiles_form(-2) == 1;
