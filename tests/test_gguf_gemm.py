@@ -23,7 +23,7 @@ summation, |y - y_ref| <= (K/16 + 4) * 2^-23 * sum_j |w_j| |x_j| (tile_bound).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import pytest
@@ -165,7 +165,7 @@ def check_tiles_against_the_rounded_weights(library, kind: T) -> None:
 
 @pytest.mark.parametrize("kind", (T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K), ids=lambda t: t.name)
 def test_float32_tiles_are_the_dense_gemm_on_the_rounded_weights_bit_for_bit(kind: T) -> None:
-    """The tiles' float32 form runs, from a few dozen rows on, the dense GEMM's own float32
+    """The tiles' float32 form runs, from 16-24 rows on, the dense GEMM's own float32
     micro-tiles on weight panels decoded per tile: the dense GEMM (same form) on the
     dequantized bf16 weight gives the same sums, so the same bits once rounded to bf16.
     Weights of 1, 2 and 3 whole panels and some more blocks; rows in and past micro-tiles."""
@@ -179,7 +179,7 @@ def test_float32_tiles_are_the_dense_gemm_on_the_rounded_weights_bit_for_bit(kin
     native.avx512_linear_form(1)
     try:
         with tiles_in_form(library, 1):
-            for n, m in ((48, 29), (96, 64), (160, 40), (208, 33)):
+            for n, m in ((48, 29), (96, 64), (160, 40), (208, 33), (64, 17)):
                 k = 512
                 blocks = random_blocks(kind, n, k, rng)
                 x = activations(m, k, rng, torch.bfloat16)
@@ -207,6 +207,32 @@ def test_bf16_tiles_run_only_where_asked_and_for_bf16_rows() -> None:
         asked = kernels.gemm(library, int(T.Q4_K), blocks, 512, x, bf16_from_rows=6)
         assert torch.equal(asked, int8) != kernels.has_bf16_tiles(library), path
         assert kernels.has_bf16_tiles(library) == (path in TILE_PATHS), path
+
+
+@FORMS
+@pytest.mark.parametrize("kind", (T.Q8_0, T.Q4_K), ids=lambda t: t.name)
+def test_outputs_rounded_to_bf16_in_the_kernel_are_the_bf16_result_widened(kind: T,
+                                                                          form: int) -> None:
+    """The LM head asks for float32 logits that are the bf16 result widened (as the dense
+    GEMM gives them); the kernels round while the outputs are in cache. Every route: the int8
+    kernel, the tiles below and the panel tiles from a few dozen rows; a column slice of a
+    wider output keeps its neighbours untouched."""
+    rng = np.random.default_rng(40 + int(kind))
+    n, k = 100, 512  # 100 columns: panels of 48 and a narrower last one
+    blocks = random_blocks(kind, n, k, rng)
+    for path in runnable_paths():
+        library = kernels.load_path(path)
+        forms = tiles_in_form(library, form) if kernels.has_bf16_tiles(library) else nullcontext()
+        with forms:
+            for m, tiles_from in ((3, 0), (5, 1), (17, 1), (40, 1)):
+                x = activations(m, k, rng, torch.bfloat16)
+                plain = kernels.gemm(library, int(kind), blocks, k, x, bf16_from_rows=tiles_from)
+                wide = torch.full((m, n + 9), 7.25)
+                rounded = kernels.gemm(library, int(kind), blocks, k, x, out=wide[:, 4:4 + n],
+                                       bf16_from_rows=tiles_from, round_to_bf16=True)
+                assert torch.equal(rounded, plain.to(torch.bfloat16).float()), (path, m)
+                assert not torch.equal(plain, rounded), (path, m)  # it did round
+                assert (wide[:, :4] == 7.25).all() and (wide[:, 4 + n:] == 7.25).all()
 
 
 def test_the_vector_libraries_decode_in_registers() -> None:

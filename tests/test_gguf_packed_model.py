@@ -155,6 +155,22 @@ def test_middle_row_counts_compute_the_dequantized_bf16_product(tmp_path):
     assert not ((int8 - below.double() @ dense.T).abs() <= bound[:below.shape[0]]).all()
 
 
+def test_the_packed_lm_head_gives_the_bf16_logits_widened(tmp_path):
+    """The sampler's float32 logits from a packed LM head are its bf16 result widened, as
+    from a dense one, at every row count (int8 kernel, tiles, panels), rounded in the kernel."""
+    from pagedgen.model.layers.linear import linear_float32
+    decoder = load_model(write_quantized_gguf(tmp_path / "q.gguf"), dtype="bfloat16",
+                         weights="packed").model
+    decoder.pack_weights()
+    head = decoder.lm_head_packed
+    assert isinstance(head, QuantizedWeight)
+    for rows in (1, 9, 20, 40):
+        x = torch.randn(rows, head.in_features).to(torch.bfloat16)
+        logits = linear_float32(x, decoder.lm_head_weight, head)
+        assert logits.dtype == torch.float32
+        assert torch.equal(logits, ql.quantized_linear(x, head).float()), rows
+
+
 def test_packed_generation_runs_and_weights_are_checked(tmp_path, monkeypatch):
     from pagedgen.model.loading import loader
     path = write_quantized_gguf(tmp_path / "q.gguf")

@@ -39,13 +39,15 @@ def _check_blocks(tensor_type: int, blocks, k: int) -> tuple[int, int]:
 
 def gemm(library: GgufLibrary, tensor_type: int, blocks, k: int, x: torch.Tensor,
          row_map: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         threads: int | None = None, bf16_from_rows: int = 0) -> torch.Tensor:
+         threads: int | None = None, bf16_from_rows: int = 0,
+         round_to_bf16: bool = False) -> torch.Tensor:
     """float32 [M, N] = x @ W^T, W the packed rows (row_map[n] picks W's row for column n).
 
     x: float32 or bf16 [M, k], rows contiguous; out: a float32 [M, N] view whose rows may be
     strided (a column slice of a wider output). bf16 x of at least bf16_from_rows rows (0:
     never) runs the bf16 tile GEMM where the library has one (has_bf16_tiles): the product of
-    the dequantized bf16 weight, instead of the int8 kernel's."""
+    the dequantized bf16 weight, instead of the int8 kernel's. round_to_bf16: every output
+    rounded to bf16 and kept in float32 (the bf16 result widened, in the kernel's pass)."""
     rows, row_bytes = _check_blocks(tensor_type, blocks, k)
     n = rows if row_map is None else row_map.shape[0]
     if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.shape[1] != k \
@@ -59,7 +61,8 @@ def gemm(library: GgufLibrary, tensor_type: int, blocks, k: int, x: torch.Tensor
     status = library.library.gguf_gemm(
         tensor_type, _pointer(blocks), row_bytes, None if row_map is None else row_map.data_ptr(),
         n, k, x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), x.shape[0],
-        out.data_ptr(), out.stride(0), threads or torch.get_num_threads(), bf16_from_rows)
+        out.data_ptr(), out.stride(0), threads or torch.get_num_threads(), bf16_from_rows,
+        int(round_to_bf16))
     _raise_for(status, "gguf_gemm")
     return out
 

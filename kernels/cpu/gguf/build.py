@@ -43,7 +43,7 @@ PREFERENCE = ("avx512_bf16", "avx512_vnni", "avx2", "portable")
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "gguf_gemm": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT, _I64, _I64, _PTR, _I64, _INT,
-                  _I64],
+                  _I64, _INT],
     "gguf_dequantize_rows": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT, _I64, _INT],
     "gguf_cpu_supports": [_INT],
 }

@@ -317,6 +317,14 @@ static inline void store_block_values(Block16x2 codes, float scale_value, float 
     store_values16(codes.high, scale, offset, out, out_bf16, at + 16);
 }
 
+/* A Q8_0 block's values from its codes (gguf_avx512.c's store_q8_0_values skips the int16
+ * step, whose widenings cross lanes there; decode_block's two 128-bit halves cost nothing
+ * extra here). */
+static inline void store_q8_0_values(const uint8_t *codes, float scale_value, void *out,
+                                     int out_bf16, int64_t at) {
+    store_block_values(decode_block(T_Q8_0, codes - 2, 0), scale_value, 0.0f, out, out_bf16, at);
+}
+
 static inline void store_block_values_typed(int type, Block16x2 codes, float scale_value,
                                             float offset_value, void *out, int out_bf16,
                                             int64_t at) {

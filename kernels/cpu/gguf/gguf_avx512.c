@@ -273,13 +273,7 @@ static inline __m256i round_to_bf16(__m512 values) {
 
 /* 32 int16 codes -> scale * code + offset at out[at..at+32) in float32 or bf16 (decode_row_values
  * in gguf_registers.c says why this gives gguf's values bit for bit). */
-static inline void store_block_values(__m512i codes, float scale_value, float offset_value,
-                                      void *out, int out_bf16, int64_t at) {
-    const __m512 scale = _mm512_set1_ps(scale_value), offset = _mm512_set1_ps(offset_value);
-    __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
-        _mm512_castsi512_si256(codes))), scale, offset);
-    __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
-        _mm512_extracti64x4_epi64(codes, 1))), scale, offset);
+static inline void store_values32(__m512 low, __m512 high, void *out, int out_bf16, int64_t at) {
     if (out_bf16) {
         uint16_t *dst = (uint16_t *)out + at;
 #if defined(__AVX512BF16__)
@@ -292,6 +286,30 @@ static inline void store_block_values(__m512i codes, float scale_value, float of
         _mm512_storeu_ps((float *)out + at, low);
         _mm512_storeu_ps((float *)out + at + 16, high);
     }
+}
+
+static inline void store_block_values(__m512i codes, float scale_value, float offset_value,
+                                      void *out, int out_bf16, int64_t at) {
+    const __m512 scale = _mm512_set1_ps(scale_value), offset = _mm512_set1_ps(offset_value);
+    store_values32(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+                       _mm512_castsi512_si256(codes))), scale, offset),
+                   _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(
+                       _mm512_extracti64x4_epi64(codes, 1))), scale, offset),
+                   out, out_bf16, at);
+}
+
+/* A Q8_0 block's 32 signed bytes -> scale * code (+ 0, as store_block_values adds Q8_0's zero
+ * offset: the same bits, the sign of a zero included) widened straight to int32, without the
+ * int16 step decode_block takes for the int kernel: two lane-crossing widenings per block
+ * instead of four (the decode of every weight of the LM head each step, in the tiles). */
+static inline void store_q8_0_values(const uint8_t *codes, float scale_value, void *out,
+                                     int out_bf16, int64_t at) {
+    const __m512 scale = _mm512_set1_ps(scale_value), zero = _mm512_setzero_ps();
+    store_values32(_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                       _mm_loadu_si128((const __m128i *)codes))), scale, zero),
+                   _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                       _mm_loadu_si128((const __m128i *)(codes + 16)))), scale, zero),
+                   out, out_bf16, at);
 }
 
 /* 4- and 5-bit types to bf16 by table: a block's 16 or 32 possible values are computed (the

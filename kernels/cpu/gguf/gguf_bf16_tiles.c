@@ -16,7 +16,7 @@
  * x86_common.h; Intel Xeons without usable AMX): the bf16 pairs of the tile and of the
  * activations are split in registers into their even and odd values widened to float32 (a
  * shift and a mask), and each product is an FMA: the same exact products as VDPBF16PS's,
- * summed in another order. From PANEL_MIN_ROWS rows on it takes panel tiles instead: rows
+ * summed in another order. From panel_min_rows() rows on it takes panel tiles instead: rows
  * decoded the same way, packed into the dense GEMM's layout and run through its own
  * micro-tiles (gemm_micro_tiles.h), which broadcast the activations rather than reduce
  * sums across lanes, and so give the dense GEMM's bits on the dequantized weight.
@@ -203,11 +203,18 @@ static void rows_through_tile(int whole_tile_in_l1, const uint16_t *tile, const 
 
 /* Weight rows per panel tile: the dense GEMM's micro-tile width, three 16-row blocks. */
 #define PANEL_ROWS (16 * MICRO_TILE_BLOCKS)
-/* The float32 form takes panel tiles from here, wide_pass below: packing the decoded rows
- * pays from about this many activation rows on (bench/GGUF_FIGURES.md). */
+/* The float32 form takes panel tiles from this many activation rows, wide_pass below: packing
+ * the decoded rows pays from about there, sooner for short rows (K up to PANEL_SHORT_K: from
+ * 16 rows 1.05-1.12x at K = 576 and 640, 0.94-1.0x at K = 2048; bench/GGUF_FIGURES.md). */
 #ifndef PANEL_MIN_ROWS
 #define PANEL_MIN_ROWS 24
 #endif
+#define PANEL_MIN_ROWS_SHORT_K 16
+#define PANEL_SHORT_K 1024
+
+static int panel_min_rows(int64_t k) {
+    return k <= PANEL_SHORT_K ? PANEL_MIN_ROWS_SHORT_K : PANEL_MIN_ROWS;
+}
 
 /* A micro-tile's float32 sums -> y: rows r < R, blocks c < C, of the last block only its first
  * last_cols columns (the rest stood in for rows past the weight's end). */
@@ -219,6 +226,19 @@ static inline __attribute__((always_inline)) void store_sums(MicroTileSums acc, 
         for (int c = 0; c < C; c++)
             _mm512_mask_storeu_ps(y + r * y_stride + c * 16, c == C - 1 ? last : 0xFFFF,
                                   acc[r][c]);
+}
+
+/* y[m, 0..cols) for m < m_rows rounded to bf16 (nearest even) in place, kept in float32:
+ * gguf_gemm's round_to_bf16, applied to a tile's outputs while they are in cache. */
+static void round_tile_outputs(float *y, int64_t y_stride, int64_t m_rows, int cols) {
+    for (int64_t m = 0; m < m_rows; m++)
+        for (int c = 0; c < cols; c += 16) {
+            const __mmask16 lanes = cols - c >= 16 ? 0xFFFF : (__mmask16)((1u << (cols - c)) - 1);
+            float *at = y + m * y_stride + c;
+            const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes, at));
+            _mm512_mask_storeu_ps(at, lanes, _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+        }
 }
 
 /* Every activation row against C packed blocks (panel), micro-tile by micro-tile, in the
@@ -267,7 +287,7 @@ static void rows_through_block(WidenedRows wide, const uint16_t *x, int64_t x_st
  * arithmetic on the dequantized weight, so the same sums, with the weight read as stored. */
 static int panel_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
                             int64_t n_rows, int64_t k, const uint16_t *x, int64_t x_stride,
-                            int64_t m_rows, float *y, int64_t y_stride) {
+                            int64_t m_rows, float *y, int64_t y_stride, int round_to_bf16) {
     const int64_t pairs = k / 2, panel_elems = pairs * GEMM_PAIR_ELEMS;
     uint16_t *rows16 = aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * k));
     uint16_t *panel = aligned_alloc(64, sizeof(uint16_t) * (size_t)(PANEL_ROWS * k));
@@ -300,6 +320,7 @@ static int panel_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const
             for (int b = 0; b < blocks; b++)
                 rows_through_block(wide, x, x_stride, panel + b * panel_elems, pairs, m_rows,
                                    y + first + 16 * b, y_stride, b == blocks - 1 ? last_cols : 16);
+        if (round_to_bf16) round_tile_outputs(y + first, y_stride, m_rows, rows);
     }
     free(rows16);
     free(panel);
@@ -309,17 +330,18 @@ static int panel_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const
 
 /* y's n_rows columns for bf16 x, in tiles of BF16_TILE_ROWS weight rows shared out among the
  * team (every thread of the region calls it; it ends in a barrier), each tile decoded once and
- * run against all m_rows activation rows. Returns 0 where this thread could not allocate its
- * tile (its tiles are skipped). */
+ * run against all m_rows activation rows, its outputs rounded to bf16 (in float32) where
+ * round_to_bf16 asks (gguf_gemm's). Returns 0 where this thread could not allocate its tile
+ * (its tiles are skipped). */
 static int bf16_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
                            int64_t n_rows, int64_t k, const uint16_t *x, int64_t x_stride,
-                           int64_t m_rows, float *y, int64_t y_stride) {
+                           int64_t m_rows, float *y, int64_t y_stride, int round_to_bf16) {
     /* rows_through_tile's order (each measured 1.1-1.4x slower on the other's shapes: K = 576
      * and 640 against 2048). */
     const int form = gguf_bf16_tiles_form(-2);
-    if (form == 1 && m_rows >= PANEL_MIN_ROWS)
+    if (form == 1 && m_rows >= panel_min_rows(k))
         return panel_tiles_team(type, w, row_bytes, row_map, n_rows, k, x, x_stride, m_rows, y,
-                                y_stride);
+                                y_stride, round_to_bf16);
     const int whole_tile_in_l1 = BF16_TILE_ROWS * k * (int64_t)sizeof(uint16_t) <= TILE_L1_BYTES;
     uint16_t *tile = aligned_alloc(64, sizeof(uint16_t) * (size_t)(BF16_TILE_ROWS * k + 32));
     const int ok = tile != NULL, wide = gguf_bf16_tiles_form(-2) == 1;
@@ -340,6 +362,7 @@ static int bf16_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const 
         }
         rows_through_tile(whole_tile_in_l1, tile, x, x_stride, m_rows, k, rows, y + first,
                           y_stride, wide);
+        if (round_to_bf16) round_tile_outputs(y + first, y_stride, m_rows, rows);
     }
     free(tile);
     return ok;
@@ -348,11 +371,12 @@ static int bf16_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const 
 /* gguf_gemm's contract, for bf16 x. */
 static int gemm_bf16_tiles(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
                            int64_t n_rows, int64_t k, const uint16_t *x, int64_t x_stride,
-                           int64_t m_rows, float *y, int64_t y_stride, int threads) {
+                           int64_t m_rows, float *y, int64_t y_stride, int threads,
+                           int round_to_bf16) {
     int status = 0;
 #pragma omp parallel num_threads(threads)
     if (!bf16_tiles_team(type, w, row_bytes, row_map, n_rows, k, x, x_stride, m_rows, y,
-                         y_stride)) {
+                         y_stride, round_to_bf16)) {
 #pragma omp atomic write
         status = 2;
     }

@@ -421,10 +421,14 @@ static int gemm_quantized(int type, const uint8_t *w, int64_t row_bytes, const i
  * w: the tensor's blocks, row_bytes apart; x: float32 or bf16 (x_bf16), row stride x_stride.
  * bf16_from_rows: bf16 x of at least this many rows runs the bf16 tile GEMM where the library
  * has it (0: never; the caller chooses, so that batch-invariant mode can keep one kernel).
+ * round_to_bf16: each output rounded to bf16 (nearest even) and kept in float32, i.e. the bf16
+ * product widened, as the dense GEMM gives the LM head its float32 logits, done while the
+ * outputs are still in cache rather than by two conversions of the whole output afterwards.
  * Returns 0 done, 1 unsupported type or shape, 2 out of memory. */
 int gguf_gemm(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
               int64_t n_rows, int64_t k, const void *x, int x_bf16, int64_t x_stride,
-              int64_t m_rows, float *y, int64_t y_stride, int threads, int64_t bf16_from_rows) {
+              int64_t m_rows, float *y, int64_t y_stride, int threads, int64_t bf16_from_rows,
+              int round_to_bf16) {
     if (!check_shape(type, k)) return 1;
     if (threads < 1) threads = 1;
     /* Small products run on the calling thread: a team's fork and join cost more there. */
@@ -432,12 +436,19 @@ int gguf_gemm(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_
 #if defined(__AVX512BF16__)
     if (x_bf16 && bf16_from_rows > 0 && m_rows >= bf16_from_rows)
         return gemm_bf16_tiles(type, w, row_bytes, row_map, n_rows, k, (const uint16_t *)x,
-                               x_stride, m_rows, y, y_stride, threads);
+                               x_stride, m_rows, y, y_stride, threads, round_to_bf16);
 #else
     (void)bf16_from_rows;
 #endif
-    return gemm_quantized(type, w, row_bytes, row_map, n_rows, k, x, x_bf16, x_stride, m_rows, y,
-                          y_stride, threads);
+    int status = gemm_quantized(type, w, row_bytes, row_map, n_rows, k, x, x_bf16, x_stride,
+                                m_rows, y, y_stride, threads);
+    if (status == 0 && round_to_bf16) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t m = 0; m < m_rows; m++)
+            for (int64_t j = 0; j < n_rows; j++)
+                y[m * y_stride + j] = bf16_to_float(float_to_bf16(y[m * y_stride + j]));
+    }
+    return status;
 }
 
 #if !IN_REGISTERS
@@ -550,7 +561,7 @@ void gguf_linear_team(const GgufProjection *p, const uint16_t *x, int64_t x_stri
 #if defined(__AVX512BF16__)
         if (tiles)
             ok &= bf16_tiles_team(part->type, part->blocks, part->row_bytes, part->row_map,
-                                  part->rows, p->k, x, x_stride, m_rows, y + column, n);
+                                  part->rows, p->k, x, x_stride, m_rows, y + column, n, 0);
         else
 #endif
             ok &= products_team(part->type, part->blocks, part->row_bytes, part->row_map,

@@ -143,6 +143,12 @@ static inline __attribute__((always_inline)) void decode_row_typed(int type, con
                                                                    int64_t k, void *out,
                                                                    int out_bf16) {
     const int per = type >= T_Q4_K ? 8 : 1, size = block_bytes(type);
+    if (type == T_Q8_0) {
+        for (int64_t stored = 0; stored < k / 32; stored++)
+            store_q8_0_values(row + stored * size + 2, half_to_float(row + stored * size), out,
+                              out_bf16, stored * 32);
+        return;
+    }
     for (int64_t stored = 0; stored < k / (32 * per); stored++) {
         const uint8_t *b = row + stored * size;
         float scale[8], offset[8];

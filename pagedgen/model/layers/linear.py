@@ -35,8 +35,9 @@ def linear_float32(x: torch.Tensor, weight: torch.Tensor,
                    packed: PackedWeight | RowTiled | None = None) -> torch.Tensor:
     """linear(x, weight, packed=packed).float(), in one pass where our kernels apply (the LM
     head: the sampler wants float32 logits, and a separate cast is one more pass)."""
-    if isinstance(packed, QuantizedWeight):  # rounded to x's dtype first, as the dense path
-        return quantized_linear(x, packed).float()
+    if isinstance(packed, QuantizedWeight):  # the bf16 result widened, as the dense path
+        return quantized_linear(x, packed, out_dtype=torch.float32,
+                                round_to_bf16=x.dtype == torch.bfloat16)
     if isinstance(packed, RowTiled):  # batch-invariant mode
         return in_row_tiles(lambda rows: linear_float32(rows, weight, packed.inner), x, packed.rows)
     kernel = None if packed is None else _KERNELS.get(packed.kind)

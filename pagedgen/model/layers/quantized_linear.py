@@ -106,14 +106,18 @@ class QuantizedWeight:
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x @ W^T (+ bias) in out_dtype (default x's dtype)."""
+                     out_dtype: torch.dtype | None = None,
+                     round_to_bf16: bool = False) -> torch.Tensor:
+    """x @ W^T (+ bias) in out_dtype (default x's dtype). round_to_bf16: the result rounded to
+    bf16 first (float32 out is then the bf16 result widened, as the dense path gives the LM
+    head its logits), in the kernel's own pass where there is no bias."""
     out_dtype = out_dtype or x.dtype
     rows = x.reshape(-1, weight.in_features)
     if rows.dtype not in (torch.float32, torch.bfloat16):
         rows = rows.float()
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    rounded_in_kernel = round_to_bf16 and bias is None
     if rows.shape[0] >= dequantize_min_rows(weight.library) and not weight.invariant:
         out = dequantized_linear(rows.to(torch.bfloat16), weight)
     else:
@@ -124,10 +128,12 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
         for part in weight.parts:
             gguf_kernels.gemm(weight.library, part.tensor_type, part.blocks, weight.in_features,
                               rows, part.row_map, out[:, column:column + part.out_features],
-                              bf16_from_rows=tiles_from)
+                              bf16_from_rows=tiles_from, round_to_bf16=rounded_in_kernel)
             column += part.out_features
     if bias is not None:
         out = out + bias
+    if round_to_bf16 and not rounded_in_kernel:
+        out = out.to(torch.bfloat16)
     return out.to(out_dtype).reshape(*x.shape[:-1], weight.out_features)
 
 
