@@ -5,7 +5,8 @@ weights, per weight type and row count, and decode tok/s of the default model bo
                                     [--shape 3072x576] [--types Q8_0,Q4_1,...] [--decode]
 
 Per type and M: int8 kernel (the path dispatched on this CPU, printed), the bf16 tile GEMM
-(libraries with AVX-512 BF16: bf16 activations from BF16_TILES_MIN_ROWS rows on), the
+(libraries with AVX-512 BF16, on the tile unit in the amx_bf16 one: bf16 activations from
+tiles_min_rows() rows on), the
 dequantize-to-bf16 + dense GEMM route the model takes from DEQUANTIZE_MIN_ROWS rows on, and our
 bf16 GEMM on a pre-dequantized weight (what weights="dequantized" runs). Weight GB/s = bytes the weight takes
 as stored / time; rows/s = M / time. Medians of --repeats calls; with one thread the

@@ -37,8 +37,8 @@ from gguf_blocks import (drop_min, neighbour_scale, random_blocks, scales_off_by
                          swap_nibble_halves)
 
 TYPES = (T.Q8_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K, T.Q4_0, T.Q5_K, T.Q5_1)
-PATHS = ("portable", "avx2", "avx512_vnni", "avx512_bf16")
-TILE_PATHS = ("avx512_bf16",)  # the libraries with the bf16 tile GEMM
+PATHS = ("portable", "avx2", "avx512_vnni", "avx512_bf16", "amx_bf16")
+TILE_PATHS = ("avx512_bf16", "amx_bf16")  # the libraries with the bf16 tile GEMM
 M_VALUES = (1, 2, 3, 8, 17, 64, 255, 2048)
 # (N, K): the default model's and Gemma 3 270M's projections, and odd ones.
 SHAPES_32 = ((576, 576), (192, 576), (3072, 576), (576, 1536), (1024, 640), (640, 2048),
@@ -65,7 +65,7 @@ def cases(kind: T, count: int = 4) -> list[tuple[int, int, int]]:
 
 
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
-SUPER_SPAN_PATHS = ("avx512_vnni", "avx512_bf16")  # K-quant activations stepped per 256
+SUPER_SPAN_PATHS = ("avx512_vnni", "avx512_bf16", "amx_bf16")  # K-quant activations stepped per 256
 
 
 def span_of(path: str, kind: T) -> int:
@@ -189,6 +189,28 @@ def test_float32_tiles_are_the_dense_gemm_on_the_rounded_weights_bit_for_bit(kin
                 assert torch.equal(tiles.to(torch.bfloat16), dense), (kind.name, n, m)
     finally:
         native.avx512_linear_form(taken)
+
+
+@pytest.mark.parametrize("kind", (T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K), ids=lambda t: t.name)
+def test_amx_tiles_are_the_dense_amx_gemm_on_the_rounded_weights_bit_for_bit(kind: T) -> None:
+    """The AMX tiles run the dense AMX GEMM's own column pairs on weight panels decoded per
+    call: the dense AMX GEMM on the dequantized bf16 weight gives the same float32 sums, so
+    the same bits once rounded to bf16. Whole and partial 16-row blocks, weights of whole and
+    partial 32-row panels (the dense GEMM takes widths of whole 16-column blocks)."""
+    from pagedgen.kernels.cpu import native
+
+    if not build.cpu_supports("amx_bf16") or native.gemm_kind() != "amx":
+        pytest.skip("needs the AMX tiles and the dense AMX GEMM")
+    library = kernels.load_path("amx_bf16")
+    rng = np.random.default_rng(400 + int(kind))
+    for n, m in ((64, 32), (96, 17), (48, 64), (160, 5), (32, 1)):
+        k = 512
+        blocks = random_blocks(kind, n, k, rng)
+        x = activations(m, k, rng, torch.bfloat16)
+        tiles = kernels.gemm(library, int(kind), blocks, k, x, bf16_from_rows=1)
+        weight = torch.from_numpy(dequantize(blocks, kind)).to(torch.bfloat16)
+        dense = native.amx_linear(x, native.gemm_pack(weight), n)
+        assert torch.equal(tiles.to(torch.bfloat16), dense), (kind.name, n, m)
 
 
 def test_bf16_tiles_run_only_where_asked_and_for_bf16_rows() -> None:
@@ -367,7 +389,7 @@ def test_the_team_projection_is_the_layer_path_bit_for_bit(path: str, form: int)
         row_map = torch.from_numpy(rng.permutation(rows)) if kind == T.Q4_K else None
         parts.append(ql.QuantizedPart(int(kind), blocks, row_map, rows))
     weight = ql.QuantizedWeight(tuple(parts), k, library)
-    tiles_from = ql.tiles_min_rows(p.tensor_type for p in parts)
+    tiles_from = ql.tiles_min_rows(library, (p.tensor_type for p in parts))
     described = team.projection([(p.tensor_type, p.blocks, p.row_map, p.out_features)
                                  for p in parts], k, tiles_from)
     bias = torch.randn(weight.out_features).to(torch.bfloat16)

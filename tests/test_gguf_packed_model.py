@@ -143,7 +143,7 @@ def test_middle_row_counts_compute_the_dequantized_bf16_product(tmp_path):
     weight = decoder.layers[1].attention.qkv_packed
     if not gguf_kernels.has_bf16_tiles(weight.library):
         pytest.skip(f"the {weight.library.path} library has no bf16 tiles")
-    tiles_from = ql.tiles_min_rows(part.tensor_type for part in weight.parts)
+    tiles_from = ql.tiles_min_rows(weight.library, (part.tensor_type for part in weight.parts))
     rows = torch.randn(tiles_from + 3, weight.in_features).to(torch.bfloat16)
     got = ql.quantized_linear(rows, weight, out_dtype=torch.float32).double()
     dense = ql.dequantized(weight, torch.bfloat16).double()

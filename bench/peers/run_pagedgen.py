@@ -39,7 +39,8 @@ def kernel_paths(llm) -> list[str]:
     if gguf is not None:
         from pagedgen.kernels.cpu import gguf as gguf_kernels
 
-        tiles = ("bf16 tiles, float32 FMA form" if gguf_kernels.tiles_form(gguf)
+        tiles = ("bf16 tiles on AMX" if gguf.path == "amx_bf16"
+                 else "bf16 tiles, float32 FMA form" if gguf_kernels.tiles_form(gguf)
                  else "bf16 tiles" if gguf.bf16_tiles else "no bf16 tiles")
         wide += f" (GGUF library {gguf.path}: {tiles})"
     return [

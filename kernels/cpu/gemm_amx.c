@@ -42,13 +42,13 @@ int amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
 
+#include "amx_column_pair.h"
 #include "x86_common.h"
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-#define TILE_ELEMS GEMM_TILE_ELEMS     /* 16 rows x 32 bf16: one packed weight tile */
 #define MAX_ROW_BLOCKS 4              /* 4 x 16 rows: M <= 64 */
 #define ARCH_REQ_XCOMP_PERM 0x1023    /* Linux: ask for the AMX tile state */
 #define XFEATURE_XTILEDATA 18
@@ -65,13 +65,6 @@ int amx_available(void) { return amx_permitted(); }
 
 /* Tile use (configure_full_tiles): 0-3 accumulators of row blocks 0-3; 4 and 6: x row blocks;
  * 5 and 7: weight tiles. */
-
-/* Into L2 (T1), not L1: a panel ahead is up to ~36 KB, most of L1, and fetching it into L1
- * evicted the current panel (T1 was faster at M = 16-64: bench/FIGURES.md). */
-ALWAYS_INLINE void prefetch_tile(const uint16_t *tile) {
-    for (int line = 0; line < 16; line++)
-        _mm_prefetch((const char *)(tile + line * 32), _MM_HINT_T1);
-}
 
 /* acc[rb] += x rows of block rb, inputs of k block KB, times weight tile WT (x tiles 4 and 6
  * alternate so that a load need not wait for the product before it). */
@@ -130,43 +123,6 @@ static void store_rows(float (*acc)[16][16], int64_t rows, const uint16_t *bias,
                        int64_t col) {
     for (int64_t r = 0; r < rows; r++)
         gemm_store16(_mm512_loadu_ps(acc[r / 16][r % 16]), bias, out, r, col);
-}
-
-/* Two blocks of 16 output columns for one or two row blocks: each x tile feeds two products
- * and each weight tile two (tiles: 0-3 sums [row][column], 4-5 x, 6-7 weights), half the x
- * tile loads of column_block per product: what bounds the time once M > 16. */
-ALWAYS_INLINE void column_pair(const uint16_t *x, int64_t x_stride_bytes, int64_t kblocks,
-                               const uint16_t *panels, const uint16_t *next_panels,
-                               float (*acc)[16][16], int ROW_BLOCKS) {
-    const int64_t block_rows = 16 * x_stride_bytes / 2, panel = kblocks * TILE_ELEMS;
-    _tile_zero(0);
-    _tile_zero(1);
-    if (ROW_BLOCKS > 1) {
-        _tile_zero(2);
-        _tile_zero(3);
-    }
-    for (int64_t kb = 0; kb < kblocks; kb++) {
-        _tile_loadd(6, panels + kb * TILE_ELEMS, 64);
-        _tile_loadd(7, panels + panel + kb * TILE_ELEMS, 64);
-        if (next_panels) {
-            prefetch_tile(next_panels + kb * TILE_ELEMS);
-            prefetch_tile(next_panels + panel + kb * TILE_ELEMS);
-        }
-        _tile_loadd(4, x + kb * 32, x_stride_bytes);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (ROW_BLOCKS > 1) {
-            _tile_loadd(5, x + block_rows + kb * 32, x_stride_bytes);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    _tile_stored(0, acc[0], 64); /* acc[2 * row + column] */
-    _tile_stored(1, acc[1], 64);
-    if (ROW_BLOCKS > 1) {
-        _tile_stored(2, acc[2], 64);
-        _tile_stored(3, acc[3], 64);
-    }
 }
 
 /* Rows [0, rows) of a column pair's sums (acc[2 * row block + column block]) into out from

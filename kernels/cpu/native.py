@@ -43,7 +43,7 @@ HEADERS = [Path(__file__).with_name(name)  # part of the cache key
            for name in ("decode_shapes.h", "team_ops.h", "decode_scores_amx.h",
                         "decode_bf16_blocks.h", "decode_bf16_passes.h",
                         "decode_shared_blocks.h", "x86_common.h", "kv_codes.h", "gemm_common.h",
-                        "gemm_micro_tiles.h")]
+                        "gemm_micro_tiles.h", "amx_column_pair.h")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 

@@ -26,9 +26,9 @@ SOURCE = Path(__file__).with_name("gguf_gemm.c")
 # Files SOURCE includes: part of the library's cache key.
 INCLUDED = tuple(Path(__file__).with_name(name)
                  for name in ("gguf_registers.c", "gguf_avx512.c", "gguf_avx2.c",
-                              "gguf_bf16_tiles.c")) + tuple(
+                              "gguf_bf16_tiles.c", "gguf_amx_tiles.c")) + tuple(
     Path(__file__).parent.parent / name
-    for name in ("x86_common.h", "gemm_common.h", "gemm_micro_tiles.h"))
+    for name in ("x86_common.h", "gemm_common.h", "gemm_micro_tiles.h", "amx_column_pair.h"))
 COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-strict-aliasing"]
 # Path name -> its own target flags; the number is the path's id for gguf_cpu_supports().
 PATH_FLAGS = {
@@ -38,8 +38,10 @@ PATH_FLAGS = {
                         "-mavx512vnni", "-mavx512dq"]),
     "avx512_bf16": (3, ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                         "-mavx512vnni", "-mavx512dq", "-mavx512bf16"]),
+    "amx_bf16": (4, ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                     "-mavx512vnni", "-mavx512dq", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]),
 }
-PREFERENCE = ("avx512_bf16", "avx512_vnni", "avx2", "portable")
+PREFERENCE = ("amx_bf16", "avx512_bf16", "avx512_vnni", "avx2", "portable")
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "gguf_gemm": [_INT, _PTR, _I64, _PTR, _I64, _I64, _PTR, _INT, _I64, _I64, _PTR, _I64, _INT,
@@ -55,7 +57,7 @@ class GgufKernelUnavailable(OSError):
 
 @dataclass(frozen=True, slots=True)
 class GgufLibrary:
-    path: str  # "avx512_bf16", "avx512_vnni", "avx2" or "portable"
+    path: str  # "amx_bf16", "avx512_bf16", "avx512_vnni", "avx2" or "portable"
     library: ctypes.CDLL
     bf16_tiles: bool = False  # the library has the bf16 tile GEMM (gguf_has_bf16_tiles)
 

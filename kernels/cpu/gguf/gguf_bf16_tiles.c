@@ -328,6 +328,10 @@ static int panel_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const
     return ok;
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "gguf_amx_tiles.c" /* the amx_bf16 library: the same contract on the tile unit */
+#endif
+
 /* y's n_rows columns for bf16 x, in tiles of BF16_TILE_ROWS weight rows shared out among the
  * team (every thread of the region calls it; it ends in a barrier), each tile decoded once and
  * run against all m_rows activation rows, its outputs rounded to bf16 (in float32) where
@@ -338,6 +342,11 @@ static int bf16_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const 
                            int64_t m_rows, float *y, int64_t y_stride, int round_to_bf16) {
     /* rows_through_tile's order (each measured 1.1-1.4x slower on the other's shapes: K = 576
      * and 640 against 2048). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx_state_granted())
+        return amx_tiles_team(type, w, row_bytes, row_map, n_rows, k, x, x_stride, m_rows, y,
+                              y_stride, round_to_bf16);
+#endif
     const int form = gguf_bf16_tiles_form(-2);
     if (form == 1 && m_rows >= panel_min_rows(k))
         return panel_tiles_team(type, w, row_bytes, row_map, n_rows, k, x, x_stride, m_rows, y,

@@ -1,6 +1,6 @@
 /* y = x @ W^T with W kept in GGUF's packed blocks, and row look-ups (dequantize) of W.
  *
- * One source, compiled three times by build.py with different target flags: the GEMM picks
+ * One source, compiled once per path by build.py with different target flags: the GEMM picks
  * AVX-512, AVX2 or plain C by what the compiler was told it may use, so each library is
  * exactly one path and the AVX2 and portable ones can be tested on any x86 CPU. The AVX-512
  * and AVX2 libraries decode weight blocks in registers inside the dot product
@@ -32,7 +32,11 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__linux__)
+#define GGUF_PATH "amx_bf16"
+#define IN_REGISTERS 1  /* avx512_bf16's library, its bf16 tiles on AMX (gguf_amx_tiles.c) */
+#elif defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define GGUF_PATH "avx512_bf16"
 #define IN_REGISTERS 1  /* the AVX-512 VNNI kernel, and gguf_bf16_tiles.c for bf16 rows */
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
@@ -59,6 +63,21 @@ enum { SPANS_BLOCKS = 1, SPANS_SUPERS = 2 };  /* activation spans to quantize (g
 
 const char *gguf_path_name(void) { return GGUF_PATH; }
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+/* Linux grants the AMX tile state per process, on request: 1 granted (asked once, outside
+ * parallel regions: gguf_cpu_supports runs when a library is loaded). */
+static int amx_state_granted(void) {
+    static int state = 0; /* 0 unknown, 1 yes, -1 no */
+    if (state == 0)  /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
+        state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return state == 1;
+}
+#else
+static int amx_state_granted(void) { return 0; }
+#endif
+
 /* 1 when this CPU can run the library's path (the portable library answers for all three). */
 int gguf_cpu_supports(int path) {
     __builtin_cpu_init();
@@ -70,6 +89,8 @@ int gguf_cpu_supports(int path) {
                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
                    __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case 3: return gguf_cpu_supports(2) && __builtin_cpu_supports("avx512bf16");
+    case 4: return gguf_cpu_supports(3) && __builtin_cpu_supports("amx-tile") &&
+                   __builtin_cpu_supports("amx-bf16") && amx_state_granted();
     default: return 0;
     }
 }

@@ -260,7 +260,7 @@ def _projection_address(packed, projections: list[gguf_team.GgufProjection]) -> 
     described = gguf_team.projection(
         [(part.tensor_type, part.blocks, part.row_map, part.out_features)
          for part in packed.parts], packed.in_features,
-        tiles_min_rows(part.tensor_type for part in packed.parts))
+        tiles_min_rows(packed.library, (part.tensor_type for part in packed.parts)))
     if described is None:
         return None
     projections.append(described)

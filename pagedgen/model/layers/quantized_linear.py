@@ -13,7 +13,8 @@ Three kernels, chosen by the number of rows (bench/bench_gguf_gemm.py measures t
  - bf16 activations from tiles_min_rows() rows on, where the library has AVX-512 BF16: the
    bf16 tile GEMM (a few weight rows decoded to bf16 in cache, then run against every row),
    which computes what the dequantized bf16 path computes (in its float32 form, from a few
-   dozen rows on, with the dense GEMM's own micro-tiles);
+   dozen rows on, with the dense GEMM's own micro-tiles; in the amx_bf16 library, with the
+   dense AMX GEMM's own tile products);
  - from dequantize_min_rows() on: the weight dequantized to bf16 for the call and the dense
    GEMM, whose blocking wins on many rows.
 Batch-invariant mode keeps the int8 kernels at every row count, so that a row's result does not
@@ -49,25 +50,35 @@ def _cpu_vendor() -> str:
 _INTEL = _cpu_vendor() == "GenuineIntel"
 BF16_TILES_MIN_ROWS = 8 if _INTEL else 4
 BF16_TILES_MIN_ROWS_K_QUANTS = 16 if _INTEL else 4
+# The amx_bf16 library's tiles multiply on the tile unit, so only the decode is left to pay:
+# they overtake the int8 kernels from 6 rows, 8 for K-quants (Intel Xeon with AMX).
+AMX_TILES_MIN_ROWS = 6
+AMX_TILES_MIN_ROWS_K_QUANTS = 8
 K_QUANTS = frozenset({12, 13, 14})  # ggml's Q4_K, Q5_K, Q6_K
 DEQUANTIZE_MIN_ROWS = 64  # without bf16 tiles: int8 kernels below, dequantize + GEMM from here
 DEQUANTIZE_MIN_ROWS_AFTER_TILES = 192  # with them: the tiles below, dequantize + GEMM from here
 # The tiles' float32 form runs the dense GEMM's own micro-tiles on weight panels decoded per
 # tile: dequantize + GEMM measured no faster up to the dense GEMM's row limit.
 DEQUANTIZE_MIN_ROWS_AFTER_FLOAT32_TILES = AVX512_MAX_ROWS + 1
+# The AMX tiles decode the weight once per chunk of rows; from about here decoding it once
+# for the call and running the dense AMX GEMM is as fast or faster.
+DEQUANTIZE_MIN_ROWS_AFTER_AMX_TILES = 1024
 
 
-def tiles_min_rows(tensor_types) -> int:
+def tiles_min_rows(library: gguf_kernels.GgufLibrary, tensor_types) -> int:
     """Rows from which a projection of these parts' types runs the bf16 tiles: one figure for
     the whole projection, so that the fused decode step makes the same choice as the layers."""
-    if all(tensor_type in K_QUANTS for tensor_type in tensor_types):
-        return BF16_TILES_MIN_ROWS_K_QUANTS
-    return BF16_TILES_MIN_ROWS
+    k_quants = all(tensor_type in K_QUANTS for tensor_type in tensor_types)
+    if library.path == "amx_bf16":
+        return AMX_TILES_MIN_ROWS_K_QUANTS if k_quants else AMX_TILES_MIN_ROWS
+    return BF16_TILES_MIN_ROWS_K_QUANTS if k_quants else BF16_TILES_MIN_ROWS
 
 
 def dequantize_min_rows(library: gguf_kernels.GgufLibrary) -> int:
     """Rows from which dequantize + dense GEMM beats the packed kernels of this library (in
     the tiles' form now in use)."""
+    if library.path == "amx_bf16":
+        return DEQUANTIZE_MIN_ROWS_AFTER_AMX_TILES
     if gguf_kernels.has_bf16_tiles(library):
         if gguf_kernels.tiles_form(library) == 1:
             return DEQUANTIZE_MIN_ROWS_AFTER_FLOAT32_TILES
@@ -123,7 +134,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     else:
         out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
         tiles_from = 0 if weight.invariant else tiles_min_rows(
-            part.tensor_type for part in weight.parts)
+            weight.library, (part.tensor_type for part in weight.parts))
         column = 0
         for part in weight.parts:
             gguf_kernels.gemm(weight.library, part.tensor_type, part.blocks, weight.in_features,
