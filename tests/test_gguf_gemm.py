@@ -23,6 +23,7 @@ summation, |y - y_ref| <= (K/16 + 4) * 2^-23 * sum_j |w_j| |x_j| (tile_bound).
 """
 from __future__ import annotations
 
+import platform
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
@@ -179,14 +180,8 @@ def test_float32_tiles_are_the_dense_gemm_on_the_rounded_weights_bit_for_bit(kin
     native.avx512_linear_form(1)
     try:
         with tiles_in_form(library, 1):
-            for n, m in ((48, 29), (96, 64), (160, 40), (208, 33), (64, 17)):
-                k = 512
-                blocks = random_blocks(kind, n, k, rng)
-                x = activations(m, k, rng, torch.bfloat16)
-                tiles = kernels.gemm(library, int(kind), blocks, k, x, bf16_from_rows=1)
-                weight = torch.from_numpy(dequantize(blocks, kind)).to(torch.bfloat16)
-                dense = native.avx512_linear(x, native.gemm_pack(weight), n)
-                assert torch.equal(tiles.to(torch.bfloat16), dense), (kind.name, n, m)
+            check_tiles_are_the_dense_gemm(library, kind, native.avx512_linear, rng,
+                                           ((48, 29), (96, 64), (160, 40), (208, 33), (64, 17)))
     finally:
         native.avx512_linear_form(taken)
 
@@ -202,14 +197,23 @@ def test_amx_tiles_are_the_dense_amx_gemm_on_the_rounded_weights_bit_for_bit(kin
     if not build.cpu_supports("amx_bf16") or native.gemm_kind() != "amx":
         pytest.skip("needs the AMX tiles and the dense AMX GEMM")
     library = kernels.load_path("amx_bf16")
-    rng = np.random.default_rng(400 + int(kind))
-    for n, m in ((64, 32), (96, 17), (48, 64), (160, 5), (32, 1)):
-        k = 512
+    check_tiles_are_the_dense_gemm(library, kind, native.amx_linear,
+                                   np.random.default_rng(400 + int(kind)),
+                                   ((64, 32), (96, 17), (48, 64), (160, 5), (32, 1)))
+
+
+def check_tiles_are_the_dense_gemm(library, kind: T, dense_linear, rng, shapes) -> None:
+    """For each (N, M), K = 512: the tiles' output rounded to bf16 is dense_linear's bf16
+    output on the dequantized bf16 weight, bit for bit."""
+    from pagedgen.kernels.cpu import native
+
+    k = 512
+    for n, m in shapes:
         blocks = random_blocks(kind, n, k, rng)
         x = activations(m, k, rng, torch.bfloat16)
         tiles = kernels.gemm(library, int(kind), blocks, k, x, bf16_from_rows=1)
         weight = torch.from_numpy(dequantize(blocks, kind)).to(torch.bfloat16)
-        dense = native.amx_linear(x, native.gemm_pack(weight), n)
+        dense = dense_linear(x, native.gemm_pack(weight), n)
         assert torch.equal(tiles.to(torch.bfloat16), dense), (kind.name, n, m)
 
 
@@ -357,6 +361,15 @@ def test_every_path_this_cpu_has_is_built_and_the_widest_is_chosen() -> None:
         assert kernels.load_path(path).library.gguf_path_name().decode() == path
     chosen = build.best()
     assert chosen is not None and chosen.path == (build.forced_path() or paths[-1])
+
+
+def test_the_amx_library_builds_where_the_cpu_cannot_run_it() -> None:
+    """The AMX tiles are compiled and linked on every x86 machine with the compiler, so a
+    build break shows on CPUs without AMX too (where only their tests can skip)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 only")
+    library = kernels.load_path("amx_bf16")
+    assert library.library.gguf_path_name().decode() == "amx_bf16" and library.bf16_tiles
 
 
 def test_bad_shapes_are_refused_with_a_message() -> None:
