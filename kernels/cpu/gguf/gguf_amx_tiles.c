@@ -30,8 +30,7 @@ static int64_t amx_chunk_rows(int64_t k) {
 }
 
 /* x's rows [first_row, first_row + rows) as paired operands: per 16-row block k / 32 tiles,
- * the last block's missing rows zero (from `rows16`, a [16, k] buffer), and one more block of
- * zeros where the count is odd (column_pair takes two). */
+ * the last block's missing rows zero (from `rows16`, a [16, k] buffer). */
 static void pack_amx_rows(const uint16_t *x, int64_t x_stride, int64_t first_row, int64_t rows,
                           int64_t k, uint16_t *rows16, uint16_t *packed) {
     const int64_t kblocks = k / 32, blocks = (rows + 15) / 16;
@@ -47,9 +46,6 @@ static void pack_amx_rows(const uint16_t *x, int64_t x_stride, int64_t first_row
         for (int64_t kb = 0; kb < kblocks; kb++)
             gemm_pack_tile(src + kb * 32, stride, packed + (b * kblocks + kb) * GEMM_TILE_ELEMS);
     }
-    if (blocks % 2)
-        memset(packed + blocks * kblocks * GEMM_TILE_ELEMS, 0,
-               sizeof(uint16_t) * (size_t)(kblocks * GEMM_TILE_ELEMS));
 }
 
 /* Decodes weight rows [first, first + AMX_PANEL_ROWS) into panel ([32, k] bf16), the last row
@@ -85,6 +81,24 @@ static void store_transposed(float sums[16][16], int rows, int cols, float *y, i
     }
 }
 
+/* column_pair with one paired block: the panel's two weight blocks against one packed block
+ * of activations, into acc[0] and acc[2] (column_pair's places for it). A step of at most 16
+ * rows, and an odd block count's last block, would otherwise pay a product with zeros. */
+static inline void panel_times_block(const uint16_t *panel, int64_t k, const uint16_t *block,
+                                     float (*acc)[16][16]) {
+    _tile_zero(0);
+    _tile_zero(2);
+    for (int64_t kb = 0; kb < k / 32; kb++) {
+        _tile_loadd(6, block + kb * GEMM_TILE_ELEMS, 64);
+        _tile_loadd(4, panel + kb * 32, k * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, panel + 16 * k + kb * 32, k * 2);
+        _tile_dpbf16ps(2, 5, 6);
+    }
+    _tile_stored(0, acc[0], 64);
+    _tile_stored(2, acc[2], 64);
+}
+
 /* A decoded panel against a packed chunk of `rows` activation rows: y's rows [0, rows) and
  * columns [0, cols). */
 static void panel_through_rows(const uint16_t *panel, const uint16_t *packed, int64_t rows,
@@ -93,7 +107,11 @@ static void panel_through_rows(const uint16_t *panel, const uint16_t *packed, in
     float acc[4][16][16]; /* acc[2 * weight block + activation block] */
     const int64_t kblocks = k / 32, blocks = (rows + 15) / 16;
     for (int64_t b = 0; b < blocks; b += 2) {
-        column_pair(panel, k * 2, kblocks, packed + b * kblocks * GEMM_TILE_ELEMS, NULL, acc, 2);
+        if (b + 1 < blocks)
+            column_pair(panel, k * 2, kblocks, packed + b * kblocks * GEMM_TILE_ELEMS, NULL, acc,
+                        2);
+        else
+            panel_times_block(panel, k, packed + b * kblocks * GEMM_TILE_ELEMS, acc);
         for (int a = 0; a < 2 && b + a < blocks; a++) {
             const int64_t row = 16 * (b + a);
             const int in_block = rows - row < 16 ? (int)(rows - row) : 16;
@@ -112,7 +130,7 @@ static int amx_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const i
                           int64_t n_rows, int64_t k, const uint16_t *x, int64_t x_stride,
                           int64_t m_rows, float *y, int64_t y_stride, int round_to_bf16) {
     const int64_t chunk = m_rows < amx_chunk_rows(k) ? m_rows : amx_chunk_rows(k);
-    const int64_t chunk_blocks = ((chunk + 15) / 16 + 1) / 2 * 2;
+    const int64_t chunk_blocks = (chunk + 15) / 16;
     uint16_t *panel = aligned_alloc(64, sizeof(uint16_t) * (size_t)(AMX_PANEL_ROWS * k));
     uint16_t *rows16 = aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * k));
     uint16_t *packed = aligned_alloc(64, sizeof(uint16_t) * (size_t)(chunk_blocks * 16 * k));
