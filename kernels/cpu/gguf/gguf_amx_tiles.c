@@ -21,12 +21,17 @@
 /* Activation rows per chunk: every panel runs past a chunk of x's rows before the next chunk,
  * so the chunk is read from L2 (2 MB per core on AMX Xeons) rather than from L3 once per panel
  * (at 2,048 rows of K = 640 the whole x, 2.6 MB, made the tiles 2.7x slower than the dense
- * GEMM); the price is one more decode of the weight per chunk. */
+ * GEMM); the price is one more decode of the weight per chunk. At least 256 rows, though:
+ * for long rows (a down projection's K = 8192) decoding the weight once per 64 rows cost more
+ * than reading the chunk from L3 (1.22-1.25x slower from 128 rows; bench/GGUF_FIGURES.md). */
 #define AMX_CHUNK_BYTES (1 << 20)
+#ifndef AMX_CHUNK_MIN_ROWS
+#define AMX_CHUNK_MIN_ROWS 256
+#endif
 
 static int64_t amx_chunk_rows(int64_t k) {
     const int64_t rows = AMX_CHUNK_BYTES / (2 * k) / 32 * 32;
-    return rows < 32 ? 32 : rows;
+    return rows < AMX_CHUNK_MIN_ROWS ? AMX_CHUNK_MIN_ROWS : rows;
 }
 
 /* x's rows [first_row, first_row + rows) as paired operands: per 16-row block k / 32 tiles,
