@@ -1,8 +1,8 @@
 /* The bf16 tiles on AMX (the amx_bf16 library; included by gguf_bf16_tiles.c).
  *
  * Why: where the CPU has AMX, the dequantized bf16 path multiplies on the tile unit
- * (gemm_amx.c) and the AVX-512 tiles, VDPBF16PS or float32 FMAs, ran 3-6x slower than it from
- * 8 rows on. Here each panel of 32 weight rows is decoded to bf16 (decode_row_values: gguf's own
+ * (gemm_amx.c) and the AVX-512 tiles, VDPBF16PS or float32 FMAs, fell several times behind it
+ * from a few rows on (bench/GGUF_FIGURES.md). Here each panel of 32 weight rows is decoded to bf16 (decode_row_values: gguf's own
  * float32 values rounded to nearest even, exactly what the dequantized path holds) and
  * multiplied on the tile unit by the dense AMX GEMM's own column_pair (amx_column_pair.h).
  *
@@ -20,10 +20,10 @@
 
 /* Activation rows per chunk: every panel runs past a chunk of x's rows before the next chunk,
  * so the chunk is read from L2 (2 MB per core on AMX Xeons) rather than from L3 once per panel
- * (at 2,048 rows of K = 640 the whole x, 2.6 MB, made the tiles 2.7x slower than the dense
- * GEMM); the price is one more decode of the weight per chunk. At least 256 rows, though:
- * for long rows (a down projection's K = 8192) decoding the weight once per 64 rows cost more
- * than reading the chunk from L3 (1.22-1.25x slower from 128 rows; bench/GGUF_FIGURES.md). */
+ * (the whole x of a 2,048-row prefill at K = 640 is 2.6 MB); the price is one more decode of
+ * the weight per chunk. At least 256 rows, though: for long rows (a down projection's
+ * K = 8192) decoding the weight once per 64 rows cost more than reading the chunk from L3
+ * (bench/GGUF_FIGURES.md). */
 #define AMX_CHUNK_BYTES (1 << 20)
 #ifndef AMX_CHUNK_MIN_ROWS
 #define AMX_CHUNK_MIN_ROWS 256
@@ -78,11 +78,9 @@ static void store_transposed(float sums[16][16], int rows, int cols, float *y, i
     gemm_pack_tile((const uint16_t *)sums, 32, (uint16_t *)by_row); /* a 32-bit transpose */
     const __mmask16 lanes = (__mmask16)((1u << cols) - 1);
     for (int r = 0; r < rows; r++) {
-        __m512 values = _mm512_loadu_ps(by_row[r]);
-        if (round_to_bf16)
-            values = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(values)), 16));
-        _mm512_mask_storeu_ps(y + r * y_stride, lanes, values);
+        const __m512 values = _mm512_loadu_ps(by_row[r]);
+        _mm512_mask_storeu_ps(y + r * y_stride, lanes,
+                              round_to_bf16 ? rounded_to_bf16(values) : values);
     }
 }
 

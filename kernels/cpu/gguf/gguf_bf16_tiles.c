@@ -204,8 +204,8 @@ static void rows_through_tile(int whole_tile_in_l1, const uint16_t *tile, const 
 /* Weight rows per panel tile: the dense GEMM's micro-tile width, three 16-row blocks. */
 #define PANEL_ROWS (16 * MICRO_TILE_BLOCKS)
 /* The float32 form takes panel tiles from this many activation rows, wide_pass below: packing
- * the decoded rows pays from about there, sooner for short rows (K up to PANEL_SHORT_K: from
- * 16 rows 1.05-1.12x at K = 576 and 640, 0.94-1.0x at K = 2048; bench/GGUF_FIGURES.md). */
+ * the decoded rows pays from about there, sooner for short rows (K up to PANEL_SHORT_K, where
+ * 16 rows gained and K = 2048 did not; bench/GGUF_FIGURES.md). */
 #ifndef PANEL_MIN_ROWS
 #define PANEL_MIN_ROWS 24
 #endif
@@ -228,16 +228,20 @@ static inline __attribute__((always_inline)) void store_sums(MicroTileSums acc, 
                                   acc[r][c]);
 }
 
-/* y[m, 0..cols) for m < m_rows rounded to bf16 (nearest even) in place, kept in float32:
- * gguf_gemm's round_to_bf16, applied to a tile's outputs while they are in cache. */
+/* 16 floats rounded to bf16 (nearest even) and widened back: gguf_gemm's round_to_bf16. */
+static inline __attribute__((always_inline)) __m512 rounded_to_bf16(__m512 values) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(values)), 16));
+}
+
+/* y[m, 0..cols) for m < m_rows rounded to bf16 in place, kept in float32: applied to a
+ * tile's outputs while they are in cache. */
 static void round_tile_outputs(float *y, int64_t y_stride, int64_t m_rows, int cols) {
     for (int64_t m = 0; m < m_rows; m++)
         for (int c = 0; c < cols; c += 16) {
             const __mmask16 lanes = cols - c >= 16 ? 0xFFFF : (__mmask16)((1u << (cols - c)) - 1);
             float *at = y + m * y_stride + c;
-            const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(lanes, at));
-            _mm512_mask_storeu_ps(at, lanes, _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+            _mm512_mask_storeu_ps(at, lanes, rounded_to_bf16(_mm512_maskz_loadu_ps(lanes, at)));
         }
 }
 
