@@ -45,23 +45,11 @@ int amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
 #include "amx_column_pair.h"
 #include "x86_common.h"
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define MAX_ROW_BLOCKS 4              /* 4 x 16 rows: M <= 64 */
-#define ARCH_REQ_XCOMP_PERM 0x1023    /* Linux: ask for the AMX tile state */
-#define XFEATURE_XTILEDATA 18
 
-/* Linux grants the 8 KB tile state per process on request; 1 = granted. */
-static int amx_permitted(void) {
-    static int state = 0; /* 0 unknown, 1 yes, -1 no; first asked outside parallel regions */
-    if (state == 0)
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-int amx_available(void) { return amx_permitted(); }
+int amx_available(void) { return amx_tile_state_granted(); }
 
 /* Tile use (configure_full_tiles): 0-3 accumulators of row blocks 0-3; 4 and 6: x row blocks;
  * 5 and 7: weight tiles. */
@@ -160,7 +148,7 @@ static void linear_pairs(const uint16_t *x, int64_t stride_bytes, const uint16_t
 /* Whether amx_linear_bf16 takes this shape (and the CPU has AMX): N % 16 == 0, K % 32 == 0,
  * and M <= 64 when N / 16 is odd (single column blocks hold at most 4 row blocks). */
 int amx_linear_supported(int64_t m, int64_t n, int64_t k) {
-    if (m < 1 || n % 16 != 0 || k % 32 != 0 || !amx_permitted()) return 0;
+    if (m < 1 || n % 16 != 0 || k % 32 != 0 || !amx_tile_state_granted()) return 0;
     return (n / 16) % 2 == 0 || m <= 16 * MAX_ROW_BLOCKS;
 }
 

@@ -10,6 +10,23 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux grants the 8 KB AMX tile state per process, on request (ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA): 1 granted. Asked once per library, first outside parallel regions
+ * (every library asks when it is loaded). Compiled without AMX flags, so that a library of a
+ * narrower path can tell whether the AMX one may run. */
+static inline int amx_tile_state_granted(void) {
+    static int state = 0; /* 0 unknown, 1 yes, -1 no */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return state == 1;
+}
+#else
+static inline int amx_tile_state_granted(void) { return 0; }
+#endif
+
 #if defined(__AMX_TILE__)
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];

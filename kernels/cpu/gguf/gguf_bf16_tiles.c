@@ -347,7 +347,7 @@ static int bf16_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const 
     /* rows_through_tile's order (each measured 1.1-1.4x slower on the other's shapes: K = 576
      * and 640 against 2048). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (amx_state_granted())
+    if (amx_tile_state_granted())
         return amx_tiles_team(type, w, row_bytes, row_map, n_rows, k, x, x_stride, m_rows, y,
                               y_stride, round_to_bf16);
 #endif

@@ -32,6 +32,8 @@
 #include <immintrin.h>
 #endif
 
+#include "../x86_common.h"  /* amx_tile_state_granted, and the AVX-512 helpers where built */
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__linux__)
 #define GGUF_PATH "amx_bf16"
@@ -63,21 +65,6 @@ enum { SPANS_BLOCKS = 1, SPANS_SUPERS = 2 };  /* activation spans to quantize (g
 
 const char *gguf_path_name(void) { return GGUF_PATH; }
 
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-/* Linux grants the AMX tile state per process, on request: 1 granted (asked once, outside
- * parallel regions: gguf_cpu_supports runs when a library is loaded). */
-static int amx_state_granted(void) {
-    static int state = 0; /* 0 unknown, 1 yes, -1 no */
-    if (state == 0)  /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
-        state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
-    return state == 1;
-}
-#else
-static int amx_state_granted(void) { return 0; }
-#endif
-
 /* 1 when this CPU can run the library's path (the portable library answers for all three). */
 int gguf_cpu_supports(int path) {
     __builtin_cpu_init();
@@ -90,7 +77,7 @@ int gguf_cpu_supports(int path) {
                    __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case 3: return gguf_cpu_supports(2) && __builtin_cpu_supports("avx512bf16");
     case 4: return gguf_cpu_supports(3) && __builtin_cpu_supports("amx-tile") &&
-                   __builtin_cpu_supports("amx-bf16") && amx_state_granted();
+                   __builtin_cpu_supports("amx-bf16") && amx_tile_state_granted();
     default: return 0;
     }
 }
