@@ -2,9 +2,10 @@
  *
  * Why: where the CPU has AMX, the dequantized bf16 path multiplies on the tile unit
  * (gemm_amx.c) and the AVX-512 tiles, VDPBF16PS or float32 FMAs, fell several times behind it
- * from a few rows on (bench/GGUF_FIGURES.md). Here each panel of 32 weight rows is decoded to bf16 (decode_row_values: gguf's own
- * float32 values rounded to nearest even, exactly what the dequantized path holds) and
- * multiplied on the tile unit by the dense AMX GEMM's own column_pair (amx_column_pair.h).
+ * from a few rows on (bench/GGUF_FIGURES.md). Here each panel of 32 weight rows is decoded
+ * to bf16 (decode_row_values: gguf's own float32 values rounded to nearest even, exactly what
+ * the dequantized path holds) and multiplied on the tile unit by the dense AMX GEMM's own
+ * column_pair (amx_column_pair.h).
  *
  * The operands swap roles: the decoded weight rows are the row operand, read in place with a
  * tile load's stride, and the activations, packed once per call into the VNNI layout
