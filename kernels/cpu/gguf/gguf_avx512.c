@@ -121,45 +121,12 @@ static inline __m512i decode_block(int type, const uint8_t *b, int index) {
 
 /* ---- per-super-block factors of the K-quants ----------------------------------------------- */
 
-/* K-quants, per super-block: its d times each activation row's step (the factor of the
- * super-block's integer sum), the offsets (-dmin x 6-bit min) dotted with the rows' 32-block
- * sums, and the Q4_K/Q5_K 6-bit sub-block scales for the pass, as int16 pairs (Q6_K's int8
- * scales are applied by decode_block). */
+/* Nothing to do beforehand: the 32-value types read their scales in run_pass, and the
+ * K-quants' super-block factors come inside run_super_pass (super_block_factors). */
 static void row_factors(int type, const uint8_t *w, RowFactors *f) {
-    const int size = block_bytes(type), with_offset = has_offset(type);
-    const int64_t supers = f->blocks / 8;
-    __m256 offset_acc[ROW_BATCH];
-    for (int m = 0; m < ROW_BATCH; m++) offset_acc[m] = _mm256_setzero_ps();
-    for (int64_t super = 0; type >= T_Q4_K && super < supers; super++) {
-        const uint8_t *b = w + super * size;
-        float d;
-        if (type == T_Q6_K) {
-            d = half_to_float(b + 208);
-        } else {
-            uint8_t bytes[16];
-            k4_scales_mins_bytes(b + 4, bytes);
-            d = half_to_float(b);
-            /* in vectors: this runs once per super-block and weight row, as often as the
-             * pass's own work at one activation row, and a scalar loop measured slower */
-            __m256i scales = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));
-            _mm256_storeu_si256((__m256i *)(f->scales + 8 * super),
-                                _mm256_or_si256(scales, _mm256_slli_epi32(scales, 16)));
-            __m256 offset = _mm256_mul_ps(
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8)))),
-                _mm256_set1_ps(-half_to_float(b + 2)));
-            for (int m = 0; with_offset && m < f->batch; m++)
-                offset_acc[m] = _mm256_fmadd_ps(
-                    offset, _mm256_loadu_ps(f->sum + m * f->blocks + 8 * super), offset_acc[m]);
-        }
-        for (int m = 0; m < f->batch; m++)
-            f->factor[m * supers + super] = d * f->step[m * f->steps + super];
-    }
-    for (int m = 0; m < f->batch; m++) {
-        __m128 folded = _mm_add_ps(_mm256_castps256_ps128(offset_acc[m]),
-                                   _mm256_extractf128_ps(offset_acc[m], 1));
-        folded = _mm_add_ps(folded, _mm_movehl_ps(folded, folded));
-        f->offset_dot[m] = _mm_cvtss_f32(_mm_add_ss(folded, _mm_movehdup_ps(folded)));
-    }
+    (void)type;
+    (void)w;
+    for (int m = 0; m < f->batch; m++) f->offset_dot[m] = 0.0f;
 }
 
 /* ---- the passes: ROW_GROUP weight rows x `batch` activation rows -------------------------- */
@@ -204,11 +171,32 @@ static inline __attribute__((always_inline)) void run_pass(int type, int batch, 
         for (int m = 0; m < batch; m++) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
+/* One super-block of one weight row, what its pass needs besides the codes: d, the
+ * Q4_K/Q5_K 6-bit sub-block scales as int16 pairs (Q6_K's int8 scales are applied by
+ * decode_block) and their offsets -dmin x 6-bit min in the low 8 lanes. Computed in the pass
+ * rather than in a loop over the row beforehand: there its header reads waited on memory
+ * alone and its results went through memory, a fifth of the kernel's time at one activation
+ * row (batch-1 decode); here they overlap the codes' work. */
+static inline __attribute__((always_inline)) float super_block_factors(
+    int type, const uint8_t *b, int32_t scales[8], __m512 *offsets) {
+    if (type == T_Q6_K) return half_to_float(b + 208);
+    uint8_t bytes[16];
+    k4_scales_mins_bytes(b + 4, bytes);
+    __m256i six_bit = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)bytes));
+    _mm256_storeu_si256((__m256i *)scales, _mm256_or_si256(six_bit, _mm256_slli_epi32(six_bit, 16)));
+    *offsets = _mm512_castps256_ps512(_mm256_mul_ps(
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8)))),
+        _mm256_set1_ps(-half_to_float(b + 2))));
+    return half_to_float(b);
+}
+
 /* The K-quants, on activations with one step per super-block: each sub-block's codes times
  * its integer scale (Q4_K/Q5_K's 6-bit one here, Q6_K's int8 ones in decode_block) go into
  * one int32 sum per super-block by vpdpwssd, converted and scaled once per super-block, where
- * the 32-value types pay a conversion and an FMA per block. No int32 lane overflows: a lane
- * sums 16 products of at most 32 x 128 (Q6_K) times 254 x 127 + 127, 2,122,137,600 < 2^31. */
+ * the 32-value types pay a conversion and an FMA per block; the offsets (Q4_K/Q5_K's mins
+ * times the activation rows' 32-block sums) join the same accumulators in their low 8 lanes.
+ * No int32 lane overflows: a lane sums 16 products of at most 32 x 128 (Q6_K) times
+ * 254 x 127 + 127, 2,122,137,600 < 2^31. */
 static inline __attribute__((always_inline)) void run_super_pass(
     int type, int batch, const Pass *p, float out[ROW_GROUP][ROW_BATCH]) {
     const int size = block_bytes(type);
@@ -218,6 +206,11 @@ static inline __attribute__((always_inline)) void run_super_pass(
         for (int m = 0; m < batch; m++) acc[r][m] = _mm512_setzero_ps();
     for (int64_t stored = 0; stored < supers; stored++) {
         prefetch_ahead(p, stored, size);
+        int32_t scales[ROW_GROUP][8];
+        __m512 offsets[ROW_GROUP];
+        float d[ROW_GROUP];
+        for (int r = 0; r < ROW_GROUP; r++)
+            d[r] = super_block_factors(type, p->rows[r] + stored * size, scales[r], &offsets[r]);
         /* One activation row alone alternates two sums per weight row (odd and even blocks):
          * a single chain of vpdpwssd per row waits on its latency. */
         const int chains = batch == 1 ? 2 : batch;
@@ -230,8 +223,7 @@ static inline __attribute__((always_inline)) void run_super_pass(
             for (int r = 0; r < ROW_GROUP; r++) {
                 w[r] = decode_block(type, p->rows[r] + stored * size, j);
                 if (type != T_Q6_K)
-                    w[r] = _mm512_mullo_epi16(w[r], _mm512_set1_epi32(
-                                                  p->scales[r * blocks + 8 * stored + j]));
+                    w[r] = _mm512_mullo_epi16(w[r], _mm512_set1_epi32(scales[r][j]));
             }
             for (int m = 0; m < batch; m++) {
                 __m512i v = _mm512_loadu_si512(p->value + m * p->k + 256 * stored + 32 * j);
@@ -242,12 +234,17 @@ static inline __attribute__((always_inline)) void run_super_pass(
         }
         if (batch == 1)
             for (int r = 0; r < ROW_GROUP; r++) sums[r][0] = _mm512_add_epi32(sums[r][0], sums[r][1]);
-        for (int r = 0; r < ROW_GROUP; r++)
-            for (int m = 0; m < batch; m++)
-                acc[r][m] = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(sums[r][m]),
-                    _mm512_set1_ps(p->factor[r * batch * blocks + m * supers + stored]),
-                    acc[r][m]);
+        for (int m = 0; m < batch; m++) {
+            const float step = p->step[m * supers + stored];
+            const __m512 block_sums = has_offset(type)
+                ? _mm512_maskz_loadu_ps(0xff, p->sum + m * blocks + 8 * stored) : _mm512_setzero_ps();
+            for (int r = 0; r < ROW_GROUP; r++) {
+                acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][m]),
+                                            _mm512_set1_ps(d[r] * step), acc[r][m]);
+                if (has_offset(type))
+                    acc[r][m] = _mm512_fmadd_ps(offsets[r], block_sums, acc[r][m]);
+            }
+        }
     }
     for (int r = 0; r < ROW_GROUP; r++)
         for (int m = 0; m < batch; m++) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);

@@ -25,7 +25,8 @@
  *  - except the K-quants in the AVX-512 libraries: their activations take one step per
  *    super-block of 256 (still two codes per value), the sub-block's integer scale multiplies
  *    the codes (vpmullw), and vpdpwssd sums the whole super-block in int32, so the conversion
- *    and the FMA come once per 256 values instead of once per 32 (run_super_pass);
+ *    and the FMA come once per 256 values instead of once per 32 (run_super_pass), which also
+ *    decodes each super-block's scales and mins itself (no pass over the row beforehand);
  *  - ROW_GROUP weight rows by ROW_BATCH activation rows per pass: a decoded block serves
  *    ROW_BATCH activation rows, a loaded activation block serves ROW_GROUP weight rows.
  */
@@ -37,7 +38,9 @@
  * slower from 8 rows on (each decoded block serves fewer products), 2 x 4 no faster. */
 /* Groups ahead whose weight rows are prefetched: a group's rows are short streams (a few
  * hundred bytes each) that the hardware prefetcher picks up too late when weights come from
- * memory; two groups ahead covers the memory latency at the rate a group is consumed. */
+ * memory; two groups ahead covers the memory latency at the rate a group is consumed. Into
+ * L2, not L1: two groups of rows at K = 8192 (up to 70 KB) outgrow L1 before they are used,
+ * and one thread's decode-time rate from memory measured 3-5% higher so. */
 #define PREFETCH_GROUPS 2
 /* Activation bytes per chunk of rows that every weight group runs through before the next
  * chunk: they stay in L2 while the weights stream past (many rows: prefill, batch-invariant
@@ -69,16 +72,13 @@ typedef struct {
     int batch;
     int64_t blocks, steps;
     float *factor;
-    int32_t *scales;  /* [blocks]: Q4_K/Q5_K sub-block scales for a super-block pass */
     float offset_dot[ROW_BATCH];
 } RowFactors;
 
 typedef struct {
     const uint8_t *rows[ROW_GROUP];
     const uint8_t *ahead[ROW_GROUP];  /* rows PREFETCH_GROUPS groups on, read from memory now */
-    const float *factor;  /* [ROW_GROUP][batch][K/32]: weight scale x activation step
-                           * (per super-block in a super-block pass) */
-    const int32_t *scales;  /* [ROW_GROUP][K/32]: RowFactors.scales */
+    const float *factor;  /* [ROW_GROUP][batch][K/32]: weight scale x activation step */
     const int16_t *value; /* the first activation row of the batch */
     const float *step, *sum;  /* their steps and block sums */
     int64_t k;
@@ -105,7 +105,7 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const Pass *p, 
                                                                  int size) {
     for (int r = 0; r < ROW_GROUP; r++)
         for (int line = 0; line < size; line += 64)
-            _mm_prefetch((const char *)p->ahead[r] + stored * size + line, _MM_HINT_T0);
+            _mm_prefetch((const char *)p->ahead[r] + stored * size + line, _MM_HINT_T1);
 }
 
 /* The vector code of this library's width: quantize_wide_row, row_factors and run_pass. */
@@ -222,17 +222,15 @@ static void dispatch_pass(int type, int batch, const Pass *p, float out[ROW_GROU
 
 /* Output columns first..first+ROW_GROUP-1 (fewer at the end: the last row stands in for the
  * missing ones and its extra results are dropped) for every activation row. factor: scratch
- * of ROW_GROUP x ROW_BATCH x K/32 floats; scales: ROW_GROUP x K/32. */
+ * of ROW_GROUP x ROW_BATCH x K/32 floats. */
 static void column_group(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
                         int64_t n_rows, int64_t first, int64_t k, const WideRows *a,
-                        int64_t m_rows, float *y, int64_t y_stride, float *factor,
-                        int32_t *scales) {
+                        int64_t m_rows, float *y, int64_t y_stride, float *factor) {
     int64_t blocks = k / 32, steps = k / a->span;
     int rows = (int)(n_rows - first < ROW_GROUP ? n_rows - first : ROW_GROUP);
     Pass p;
     p.k = k;
     p.factor = factor;
-    p.scales = scales;
     int64_t ahead = first + PREFETCH_GROUPS * ROW_GROUP;
     for (int r = 0; r < ROW_GROUP; r++) {
         p.rows[r] = weight_row(w, row_bytes, row_map, first + (r < rows ? r : rows - 1));
@@ -243,7 +241,7 @@ static void column_group(int type, const uint8_t *w, int64_t row_bytes, const in
         RowFactors f[ROW_GROUP];
         for (int r = 0; r < ROW_GROUP; r++) {
             f[r] = (RowFactors){a->step + m0 * steps, a->sum + m0 * blocks, batch, blocks, steps,
-                                factor + r * batch * blocks, scales + r * blocks, {0}};
+                                factor + r * batch * blocks, {0}};
             row_factors(type, p.rows[r], &f[r]);
         }
         p.value = a->value + m0 * k;
@@ -307,8 +305,7 @@ static int products_team(int type, const uint8_t *w, int64_t row_bytes, const in
                          float *y, int64_t y_stride) {
     const WideRows *a = rows_for(type, acts);
     int64_t chunk = chunk_rows(k);
-    float *factor = malloc(sizeof(float) * (size_t)((ROW_GROUP * ROW_BATCH + ROW_GROUP) * (k / 32)));
-    int32_t *scales = (int32_t *)(factor + ROW_GROUP * ROW_BATCH * (k / 32));
+    float *factor = malloc(sizeof(float) * (size_t)(ROW_GROUP * ROW_BATCH * (k / 32)));
     const int ok = factor != NULL;
     for (int64_t m0 = 0; m0 < m_rows; m0 += chunk) {
         int64_t rows = m_rows - m0 < chunk ? m_rows - m0 : chunk;
@@ -316,7 +313,7 @@ static int products_team(int type, const uint8_t *w, int64_t row_bytes, const in
 #pragma omp for schedule(static)
         for (int64_t first = 0; first < n_rows; first += ROW_GROUP)
             if (ok) column_group(type, w, row_bytes, row_map, n_rows, first, k, &part, rows,
-                                y + m0 * y_stride, y_stride, factor, scales);
+                                y + m0 * y_stride, y_stride, factor);
     }
     free(factor);
     return ok;
