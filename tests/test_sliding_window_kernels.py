@@ -219,7 +219,7 @@ def test_native_window_decode_on_8bit_pools(fmt_name, dtype, head_dim, group, bl
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
-# --- the native prefill kernel (AVX-512 BF16; AMX hands windows to it) ---------------------
+# --- the native prefill kernels (AMX where present, and the AVX-512 BF16 one itself) -------
 
 def _prefill_chunks(batch, window):
     plan = cpu_backend.plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc,
@@ -233,11 +233,26 @@ needs_prefill = pytest.mark.skipif(
     reason="no native bf16 prefill kernel on this CPU")
 
 
+def _avx512_prefill(query, k_cache, v_cache, blocks, context_len, scale, out, window) -> bool:
+    """The AVX-512 BF16 entry itself: native.prefill_attention takes AMX first where present."""
+    q_len, num_q_heads, head_dim = query.shape
+    return native.load().prefill_attention_avx512_bf16(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        blocks.data_ptr(), context_len, q_len, out.data_ptr(), num_q_heads, k_cache.shape[2],
+        head_dim, k_cache.shape[1], scale, window, torch.get_num_threads()) == 0
+
+
 @needs_prefill
 @pytest.mark.usefixtures("each_prefill_form")
+@pytest.mark.parametrize("entry", ["dispatch", "avx512"])
 @pytest.mark.parametrize("head_dim,group", SHAPES + [(256, 1), (256, 2)])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_native_window_prefill_matches_reference(head_dim, group, block_size):
+def test_native_window_prefill_matches_reference(entry, head_dim, group, block_size):
+    prefill = native.prefill_attention
+    if entry == "avx512":
+        if not native.load().prefill_attention_avx512_supported(2 * group, 2, head_dim):
+            pytest.skip("no AVX-512 BF16 prefill kernel on this CPU")
+        prefill = _avx512_prefill
     for window in windows(block_size) + [40]:
         batch = windowed_batch(block_size, window, num_q_heads=2 * group, num_kv_heads=2,
                                head_dim=head_dim, dtype=torch.bfloat16, seed=window)
@@ -248,8 +263,8 @@ def test_native_window_prefill_matches_reference(head_dim, group, block_size):
         for chunk in _prefill_chunks(batch, window):
             rows = slice(chunk.begin, chunk.end)
             out = torch.full_like(batch.query[rows], float("nan"))
-            assert native.prefill_attention(batch.query[rows], batch.k_cache, batch.v_cache,
-                                            chunk.blocks, chunk.context_len, scale, out, window)
+            assert prefill(batch.query[rows], batch.k_cache, batch.v_cache, chunk.blocks,
+                           chunk.context_len, scale, out, window)
             torch.testing.assert_close(out.float(), expected[rows], atol=2e-2, rtol=2e-2)
 
 

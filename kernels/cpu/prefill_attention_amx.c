@@ -11,6 +11,9 @@
  * 16 query rows of one query head, walks the keys in blocks of 32 up to its causal limit:
  * S = Q K^T on tiles, an online softmax in float32 (exp written out, as in the decode kernel),
  * P rounded to bf16 (as GPU flash attention does) and O += P V on tiles, O rescaled in float32.
+ * A sliding window (a row at p sees keys in (p - window, p]) starts each row block at its first
+ * row's window and masks the keys before each row's own; keys before the chunk's first window
+ * are never read (the hybrid cache may have freed their blocks) and pack as zeros.
  * Layouts: q rows q_stride elements apart, heads and head_dim contiguous (a view of the fused
  * QKV output); K/V cache [N, block_size, H_kv, D]; out contiguous [q_len, H_q, D].
  */
@@ -29,7 +32,7 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define TILE_ELEMS 512 /* 16 rows x 64 bytes of bf16 */
 #define KEYS 32        /* keys per step: two score tiles, one P tile */
-#define MAX_DIM 128
+#define MAX_DIM 256 /* Gemma 3's head_dim */
 
 /* Tile use (configure_full_tiles): 0, 1 the scores of keys 0-15 and 16-31, then with 2 and 3
  * the P V products of 4 x 16 dims; 4: Q (per 32 dims) or P; 5, 6: K^T or V. */
@@ -41,9 +44,23 @@ typedef struct {
     int64_t q_stride, context_len, q_len;
     int num_q_heads, num_kv_heads, head_dim, block_size;
     float scale;
-    int64_t key_blocks;         /* ceil(context_len / KEYS) */
+    int window;                 /* > 0: a row at p sees keys in (p - window, p]; 0: keys 0..p */
+    int64_t first_key;          /* the chunk's first row's first key: none before it is read */
+    int64_t first_block;        /* first_key / KEYS: the first packed key block */
+    int64_t key_blocks;         /* ceil(context_len / KEYS) - first_block: blocks packed */
     uint16_t *k_tiles, *v_tiles; /* packed, per kv head */
 } Chunk;
+
+/* The first key a row at `pos` sees. */
+ALWAYS_INLINE int64_t window_start(const Chunk *c, int64_t pos) {
+    return c->window > 0 && pos >= c->window ? pos - c->window + 1 : 0;
+}
+
+/* Whether `key` is packed from the cache (else zero: past the context, or before the window
+ * of the chunk's first row). */
+ALWAYS_INLINE int key_read(const Chunk *c, int64_t key) {
+    return key >= c->first_key && key < c->context_len;
+}
 
 ALWAYS_INLINE const uint16_t *cache_row(const Chunk *c, const uint16_t *cache, int64_t key, int kv) {
     const int64_t block = c->table[key / c->block_size], offset = key % c->block_size;
@@ -51,9 +68,11 @@ ALWAYS_INLINE const uint16_t *cache_row(const Chunk *c, const uint16_t *cache, i
 }
 
 /* K^T tile (kv, 16-key block b, 32-dim block i): row r, column n = the pair
- * K[16 b + n][32 i + 2 r], K[16 b + n][32 i + 2 r + 1]; zero past the context. */
+ * K[16 b + n][32 i + 2 r], K[16 b + n][32 i + 2 r + 1]; zero where not read (key_read).
+ * Blocks are numbered from key 0; only those from first_block on are stored. */
 static uint16_t *k_tile(const Chunk *c, int kv, int64_t b, int i) {
     const int64_t per_head = c->key_blocks * 2 * (c->head_dim / 32);
+    b -= 2 * c->first_block;
     return c->k_tiles + ((kv * per_head) + b * (c->head_dim / 32) + i) * TILE_ELEMS;
 }
 
@@ -61,6 +80,7 @@ static uint16_t *k_tile(const Chunk *c, int kv, int64_t b, int i) {
  * V[32 j + 2 r][16 d + n], V[32 j + 2 r + 1][16 d + n]. */
 static uint16_t *v_tile(const Chunk *c, int kv, int64_t j, int d) {
     const int64_t per_head = c->key_blocks * (c->head_dim / 16);
+    j -= c->first_block;
     return c->v_tiles + ((kv * per_head) + j * (c->head_dim / 16) + d) * TILE_ELEMS;
 }
 
@@ -71,7 +91,7 @@ static void pack_keys(const Chunk *c, int kv, int64_t j) {
             uint32_t *tile = (uint32_t *)k_tile(c, kv, b, i);
             for (int n = 0; n < 16; n++) {
                 const int64_t key = 16 * b + n;
-                if (key >= c->context_len) {
+                if (!key_read(c, key)) {
                     for (int r = 0; r < 16; r++) tile[r * 16 + n] = 0;
                     continue;
                 }
@@ -86,9 +106,8 @@ static void pack_values(const Chunk *c, int kv, int64_t j) {
     static const uint16_t zeros[MAX_DIM];
     for (int r = 0; r < 16; r++) {
         const int64_t key = KEYS * j + 2 * r;
-        const uint16_t *even = key < c->context_len ? cache_row(c, c->v_cache, key, kv) : zeros;
-        const uint16_t *odd = key + 1 < c->context_len ? cache_row(c, c->v_cache, key + 1, kv)
-                                                       : zeros;
+        const uint16_t *even = key_read(c, key) ? cache_row(c, c->v_cache, key, kv) : zeros;
+        const uint16_t *odd = key_read(c, key + 1) ? cache_row(c, c->v_cache, key + 1, kv) : zeros;
         for (int d = 0; d < c->head_dim / 16; d++) {
             uint16_t *tile = v_tile(c, kv, j, d) + r * 32;
             for (int n = 0; n < 16; n++) {
@@ -109,14 +128,15 @@ typedef struct {
 
 /* scores [16][32] (raw) of the key block starting at `key0` -> P (bf16) for the tile, with the
  * causal mask (key <= position of the row) where the block reaches past the first row's
- * position, and the online-softmax update of the row state; rescale[r]: the factor for the
- * row's old output sums. */
+ * position and the window's (key > position - window) where one is set, and the
+ * online-softmax update of the row state; rescale[r]: the factor for the row's old output
+ * sums. A row may see none of a block's keys: its P row is zero and its state unchanged. */
 ALWAYS_INLINE void softmax_step(float (*scores)[KEYS], int64_t key0, int64_t first_pos,
-                                float scale, RowState *state, uint16_t (*p)[KEYS],
+                                int window, float scale, RowState *state, uint16_t (*p)[KEYS],
                                 float *rescale) {
     const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 factor = _mm512_set1_ps(scale);
-    const int masked = key0 + KEYS - 1 > first_pos;
+    const int masked = key0 + KEYS - 1 > first_pos || window > 0;
     float old_max[16];
     __m512 block_sum[16];
     for (int r = 0; r < 16; r++) {
@@ -127,6 +147,12 @@ ALWAYS_INLINE void softmax_step(float (*scores)[KEYS], int64_t key0, int64_t fir
             keep0 = _mm512_cmp_ps_mask(lanes, limit, _CMP_LE_OQ);
             keep1 = _mm512_cmp_ps_mask(_mm512_add_ps(lanes, _mm512_set1_ps(16.0f)), limit,
                                        _CMP_LE_OQ);
+            if (window > 0) {  /* key0 + k > first_pos + r - window */
+                const __m512 start = _mm512_sub_ps(limit, _mm512_set1_ps((float)window));
+                keep0 &= _mm512_cmp_ps_mask(lanes, start, _CMP_GT_OQ);
+                keep1 &= _mm512_cmp_ps_mask(_mm512_add_ps(lanes, _mm512_set1_ps(16.0f)), start,
+                                            _CMP_GT_OQ);
+            }
             s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), keep0, s0);
             s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), keep1, s1);
         }
@@ -178,7 +204,7 @@ static void attend_rows(const Chunk *c, int head, int64_t row0, RowState *state)
     float scores[16][KEYS], rescale[16], pv[16][64];
     uint16_t p[16][KEYS];
     const int64_t last_key = first_pos + rows - 1; /* causal limit of the block's last row */
-    for (int64_t j = 0; KEYS * j <= last_key; j++) {
+    for (int64_t j = window_start(c, first_pos) / KEYS; KEYS * j <= last_key; j++) {
         _tile_zero(0);
         _tile_zero(1);
         for (int i = 0; i < NV; i++) {
@@ -190,7 +216,7 @@ static void attend_rows(const Chunk *c, int head, int64_t row0, RowState *state)
         }
         _tile_stored(0, &scores[0][0], KEYS * 4);
         _tile_stored(1, &scores[0][16], KEYS * 4);
-        softmax_step(scores, KEYS * j, first_pos, c->scale, state, p, rescale);
+        softmax_step(scores, KEYS * j, first_pos, c->window, c->scale, state, p, rescale);
         _tile_loadd(4, p, KEYS * 2);
         /* four 16-dim products in flight (tiles 0-3; V tiles 5 and 6 in turn), then stored */
         for (int d = 0; d < ND; d += 4) {
@@ -223,7 +249,7 @@ static void attend_rows(const Chunk *c, int head, int64_t row0, RowState *state)
 }
 
 int prefill_attention_supported(int num_q_heads, int num_kv_heads, int head_dim) {
-    return (head_dim == 64 || head_dim == 128) && num_kv_heads > 0 &&
+    return head_dim % 64 == 0 && head_dim > 0 && head_dim <= MAX_DIM && num_kv_heads > 0 &&
            num_q_heads % num_kv_heads == 0 && amx_available();
 }
 
@@ -234,13 +260,14 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
                            int64_t q_len, uint16_t *out, int num_q_heads, int num_kv_heads,
                            int head_dim, int block_size, float scale, int sliding_window,
                            int num_threads) {
-    /* a sliding window goes to the AVX-512 BF16 kernel, which masks keys per row */
     if (!prefill_attention_supported(num_q_heads, num_kv_heads, head_dim) || q_len < 1 ||
-        q_len > context_len || sliding_window != 0)
+        q_len > context_len || sliding_window < 0)
         return 1;
     Chunk c = {q, k_cache, v_cache, table, out, q_stride, context_len, q_len, num_q_heads,
-               num_kv_heads, head_dim, block_size, scale, (context_len + KEYS - 1) / KEYS,
-               NULL, NULL};
+               num_kv_heads, head_dim, block_size, scale, sliding_window, 0, 0, 0, NULL, NULL};
+    c.first_key = window_start(&c, context_len - q_len);
+    c.first_block = c.first_key / KEYS;
+    c.key_blocks = (context_len + KEYS - 1) / KEYS - c.first_block;
     const size_t tiles = (size_t)num_kv_heads * c.key_blocks * 2 * (head_dim / 32);
     c.k_tiles = aligned_alloc(64, tiles * TILE_ELEMS * 2);
     c.v_tiles = aligned_alloc(64, tiles * TILE_ELEMS * 2); /* same count: KEYS x 16 dims */
@@ -255,8 +282,8 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
     {
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < num_kv_heads * c.key_blocks; item++) {
-            pack_keys(&c, (int)(item / c.key_blocks), item % c.key_blocks);
-            pack_values(&c, (int)(item / c.key_blocks), item % c.key_blocks);
+            pack_keys(&c, (int)(item / c.key_blocks), c.first_block + item % c.key_blocks);
+            pack_values(&c, (int)(item / c.key_blocks), c.first_block + item % c.key_blocks);
         }
         configure_full_tiles();
         RowState *state = aligned_alloc(64, sizeof(RowState));
