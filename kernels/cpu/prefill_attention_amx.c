@@ -136,6 +136,9 @@ ALWAYS_INLINE void softmax_step(float (*scores)[KEYS], int64_t key0, int64_t fir
                                 float *rescale) {
     const __m512 lanes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 factor = _mm512_set1_ps(scale);
+    /* exp(scale (s - max)) = 2^(s log2e scale - max log2e scale): one FMA before exp2 */
+    const float log2_factor = scale * 1.44269504f;
+    const __m512 factor2 = _mm512_set1_ps(log2_factor), floor2 = _mm512_set1_ps(-126.0f);
     const int masked = key0 + KEYS - 1 > first_pos || window > 0;
     float old_max[16];
     __m512 block_sum[16];
@@ -160,9 +163,12 @@ ALWAYS_INLINE void softmax_step(float (*scores)[KEYS], int64_t key0, int64_t fir
         old_max[r] = state->max[r];
         float new_max = block_max > old_max[r] ? block_max : old_max[r];
         state->max[r] = new_max;
-        __m512 m = _mm512_set1_ps(new_max);
-        __m512 e0 = _mm512_maskz_mov_ps(keep0, exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(s0, m), factor)));
-        __m512 e1 = _mm512_maskz_mov_ps(keep1, exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(s1, m), factor)));
+        /* masked lanes (-FLT_MAX) and a row without keys yet meet the floor, not -inf */
+        const __m512 m2 = _mm512_set1_ps(new_max * log2_factor);
+        __m512 e0 = _mm512_maskz_mov_ps(
+            keep0, exp2_nonpositive(_mm512_max_ps(_mm512_fmsub_ps(s0, factor2, m2), floor2)));
+        __m512 e1 = _mm512_maskz_mov_ps(
+            keep1, exp2_nonpositive(_mm512_max_ps(_mm512_fmsub_ps(s1, factor2, m2), floor2)));
         block_sum[r] = _mm512_add_ps(e0, e1);
         _mm256_storeu_si256((__m256i *)p[r], (__m256i)_mm512_cvtneps_pbh(e0));
         _mm256_storeu_si256((__m256i *)(p[r] + 16), (__m256i)_mm512_cvtneps_pbh(e1));
@@ -177,17 +183,51 @@ ALWAYS_INLINE void softmax_step(float (*scores)[KEYS], int64_t key0, int64_t fir
         state->sum[r] = _mm512_fmadd_ps(state->sum[r], _mm512_set1_ps(rescale[r]), block_sum[r]);
 }
 
-#define PV_PRODUCT(C, V, D)                            \
-    do {                                               \
-        _tile_zero(C);                                 \
-        _tile_loadd(V, v_tile(c, kv, j, D), 64);       \
-        _tile_dpbf16ps(C, 4, V);                       \
-    } while (0)
+/* Tiles 0, 1 = the raw scores Q K^T of the key block j (keys 32 j .. 32 j + 31) for the 16
+ * query rows in q; tile 4 takes Q (per 32 dims), 6 and 7 K^T. */
+ALWAYS_INLINE void score_tiles(const Chunk *c, int kv, uint16_t (*q)[MAX_DIM], int64_t j) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int i = 0; i < c->head_dim / 32; i++) {
+        _tile_loadd(4, &q[0][32 * i], MAX_DIM * 2);
+        _tile_loadd(6, k_tile(c, kv, 2 * j, i), 64);
+        _tile_loadd(7, k_tile(c, kv, 2 * j + 1, i), 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+}
 
-/* 16 query rows (from `row0` of the chunk) of query head `head`. */
+/* out = out * rescale + P V for the key block j, P in tile 5: two 16-dim products at a time
+ * in tiles 2 and 3 (V tiles 6, 7), stored and added in float32. */
+ALWAYS_INLINE void add_values(const Chunk *c, int kv, int64_t j, const float *rescale,
+                              RowState *state) {
+    float pv[16][32];
+    for (int d = 0; d < c->head_dim / 16; d += 2) {
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(6, v_tile(c, kv, j, d), 64);
+        _tile_loadd(7, v_tile(c, kv, j, d + 1), 64);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+        _tile_stored(2, pv[0], 32 * 4);
+        _tile_stored(3, pv[0] + 16, 32 * 4);
+        for (int r = 0; r < 16; r++) {
+            const __m512 alpha = _mm512_set1_ps(rescale[r]);
+            for (int e = 0; e < 2; e++) {
+                float *o = state->out[r] + 16 * (d + e);
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), alpha,
+                                                    _mm512_loadu_ps(pv[r] + 16 * e)));
+            }
+        }
+    }
+}
+
+/* 16 query rows (from `row0` of the chunk) of query head `head`. The tile unit computes the
+ * next key block's scores (tiles 0, 1) before the softmax of this one, so that the two
+ * overlap: in program order one after the other, every step waited on the tile unit's
+ * latency and the vector units on it. */
 static void attend_rows(const Chunk *c, int head, int64_t row0, RowState *state) {
-    const int kv = head / (c->num_q_heads / c->num_kv_heads), NV = c->head_dim / 32;
-    const int ND = c->head_dim / 16;
+    const int kv = head / (c->num_q_heads / c->num_kv_heads);
     const int64_t rows = c->q_len - row0 < 16 ? c->q_len - row0 : 16;
     const int64_t first_pos = c->context_len - c->q_len + row0;
     /* the query block, zero-padded: tile loads read all 16 rows */
@@ -201,47 +241,28 @@ static void attend_rows(const Chunk *c, int head, int64_t row0, RowState *state)
         state->sum[r] = _mm512_setzero_ps();
         memset(state->out[r], 0, sizeof(float) * c->head_dim);
     }
-    float scores[16][KEYS], rescale[16], pv[16][64];
+    float scores[2][16][KEYS], rescale[16];
     uint16_t p[16][KEYS];
-    const int64_t last_key = first_pos + rows - 1; /* causal limit of the block's last row */
-    for (int64_t j = window_start(c, first_pos) / KEYS; KEYS * j <= last_key; j++) {
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int i = 0; i < NV; i++) {
-            _tile_loadd(4, &q[0][32 * i], MAX_DIM * 2);
-            _tile_loadd(5, k_tile(c, kv, 2 * j, i), 64);
-            _tile_loadd(6, k_tile(c, kv, 2 * j + 1, i), 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_dpbf16ps(1, 4, 6);
-        }
-        _tile_stored(0, &scores[0][0], KEYS * 4);
-        _tile_stored(1, &scores[0][16], KEYS * 4);
-        softmax_step(scores, KEYS * j, first_pos, c->window, c->scale, state, p, rescale);
-        _tile_loadd(4, p, KEYS * 2);
-        /* four 16-dim products in flight (tiles 0-3; V tiles 5 and 6 in turn), then stored */
-        for (int d = 0; d < ND; d += 4) {
-            PV_PRODUCT(0, 5, d);
-            PV_PRODUCT(1, 6, d + 1);
-            PV_PRODUCT(2, 5, d + 2);
-            PV_PRODUCT(3, 6, d + 3);
-            _tile_stored(0, pv[0], 64 * 4);
-            _tile_stored(1, pv[0] + 16, 64 * 4);
-            _tile_stored(2, pv[0] + 32, 64 * 4);
-            _tile_stored(3, pv[0] + 48, 64 * 4);
-            for (int r = 0; r < 16; r++) {
-                const __m512 alpha = _mm512_set1_ps(rescale[r]);
-                for (int e = 0; e < 4; e++) {
-                    float *o = state->out[r] + 16 * (d + e);
-                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), alpha,
-                                                        _mm512_loadu_ps(pv[r] + 16 * e)));
-                }
-            }
+    /* from the first row's first visible key to the last row's causal limit */
+    const int64_t first = window_start(c, first_pos) / KEYS, last = (first_pos + rows - 1) / KEYS;
+    score_tiles(c, kv, q, first);
+    _tile_stored(0, &scores[0][0][0], KEYS * 4);
+    _tile_stored(1, &scores[0][0][16], KEYS * 4);
+    for (int64_t j = first; j <= last; j++) {
+        float (*now)[KEYS] = scores[(j - first) & 1], (*next)[KEYS] = scores[(j - first + 1) & 1];
+        if (j < last) score_tiles(c, kv, q, j + 1);
+        softmax_step(now, KEYS * j, first_pos, c->window, c->scale, state, p, rescale);
+        _tile_loadd(5, p, KEYS * 2);
+        add_values(c, kv, j, rescale, state);
+        if (j < last) {
+            _tile_stored(0, &next[0][0], KEYS * 4);
+            _tile_stored(1, &next[0][16], KEYS * 4);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
         const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(state->sum[r]));
         uint16_t *dst = c->out + ((row0 + r) * c->num_q_heads + head) * c->head_dim;
-        for (int d = 0; d < ND; d++)
+        for (int d = 0; d < c->head_dim / 16; d++)
             _mm256_storeu_si256((__m256i *)(dst + 16 * d),
                                 (__m256i)_mm512_cvtneps_pbh(
                                     _mm512_mul_ps(_mm512_loadu_ps(state->out[r] + 16 * d), inv)));
@@ -291,12 +312,18 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
 #pragma omp atomic write
             failed = 1;
         }
-        /* the last query rows see the most keys: hand them out first */
+        /* One kv head after another, so that the threads read its packed K/V (a few MB at
+         * long contexts) from their L2 for all its query heads and rows, rather than from L3
+         * for each item in turn; within one, the last query rows, which see the most keys,
+         * first. */
+        const int group = num_q_heads / num_kv_heads;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++)
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t kv = item / (row_blocks * group), rest = item % (row_blocks * group);
             if (state != NULL)
-                attend_rows(&c, (int)(item % num_q_heads),
-                            16 * (row_blocks - 1 - item / num_q_heads), state);
+                attend_rows(&c, (int)(kv * group + rest % group),
+                            16 * (row_blocks - 1 - rest / group), state);
+        }
         free(state);
         _tile_release();
     }
