@@ -118,6 +118,20 @@ static void pack_values(const Chunk *c, int kv, int64_t j) {
     }
 }
 
+/* 2^x for x <= 0 as exp2_nonpositive (x86_common.h), with the degree-4 Taylor polynomial:
+ * relative error below 1e-4, 20 times under the bf16 rounding every weight then takes for the
+ * tile product, for two FMAs fewer per vector. */
+ALWAYS_INLINE __m512 exp2_weight(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(9.6181291076284772e-3f);                   /* ln2^4 / 24 */
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108664821580e-2f)); /* ln2^3 / 6 */
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650695910071e-1f)); /* ln2^2 / 2 */
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718055994531e-1f)); /* ln2 */
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* Running state of 16 query rows: output sums, row maxima (raw scores) and the sums of p
  * (kept as 16 partial sums per row, added up at the end). */
 typedef struct {
@@ -159,16 +173,20 @@ ALWAYS_INLINE void softmax_step(float (*scores)[KEYS], int64_t key0, int64_t fir
             s0 = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), keep0, s0);
             s1 = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), keep1, s1);
         }
-        float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+        /* the row's maximum moves only where a score passes it: a compare, and the
+         * horizontal reduction only then (after the first blocks, rarely) */
         old_max[r] = state->max[r];
-        float new_max = block_max > old_max[r] ? block_max : old_max[r];
+        const __m512 top = _mm512_max_ps(s0, s1);
+        float new_max = old_max[r];
+        if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(old_max[r]), _CMP_GT_OQ))
+            new_max = _mm512_reduce_max_ps(top);
         state->max[r] = new_max;
         /* masked lanes (-FLT_MAX) and a row without keys yet meet the floor, not -inf */
         const __m512 m2 = _mm512_set1_ps(new_max * log2_factor);
         __m512 e0 = _mm512_maskz_mov_ps(
-            keep0, exp2_nonpositive(_mm512_max_ps(_mm512_fmsub_ps(s0, factor2, m2), floor2)));
+            keep0, exp2_weight(_mm512_max_ps(_mm512_fmsub_ps(s0, factor2, m2), floor2)));
         __m512 e1 = _mm512_maskz_mov_ps(
-            keep1, exp2_nonpositive(_mm512_max_ps(_mm512_fmsub_ps(s1, factor2, m2), floor2)));
+            keep1, exp2_weight(_mm512_max_ps(_mm512_fmsub_ps(s1, factor2, m2), floor2)));
         block_sum[r] = _mm512_add_ps(e0, e1);
         _mm256_storeu_si256((__m256i *)p[r], (__m256i)_mm512_cvtneps_pbh(e0));
         _mm256_storeu_si256((__m256i *)(p[r] + 16), (__m256i)_mm512_cvtneps_pbh(e1));
