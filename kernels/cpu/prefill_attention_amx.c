@@ -34,8 +34,9 @@
 #define KEYS 32        /* keys per step: two score tiles, one P tile */
 #define MAX_DIM 256 /* Gemma 3's head_dim */
 
-/* Tile use (configure_full_tiles): 0, 1 the scores of keys 0-15 and 16-31, then with 2 and 3
- * the P V products of 4 x 16 dims; 4: Q (per 32 dims) or P; 5, 6: K^T or V. */
+/* Tile use (configure_full_tiles): 0, 1 the scores of keys 0-15 and 16-31 (of the next key
+ * block while this one's softmax runs); 2, 3 the P V products of 2 x 16 dims; 4: Q (per 32
+ * dims); 5: P; 6, 7: K^T or V. */
 
 typedef struct {
     const uint16_t *q, *k_cache, *v_cache;
