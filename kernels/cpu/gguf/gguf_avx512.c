@@ -119,10 +119,11 @@ static inline __m512i decode_block(int type, const uint8_t *b, int index) {
     }
 }
 
-/* ---- per-super-block factors of the K-quants ----------------------------------------------- */
+/* ---- per-row factors: none here ----------------------------------------------------------- */
 
-/* Nothing to do beforehand: the 32-value types read their scales in run_pass, and the
- * K-quants' super-block factors come inside run_super_pass (super_block_factors). */
+/* Nothing to do beforehand (the AVX2 library's passes read factors computed here): the
+ * 32-value types read their scales in run_pass, and the K-quants' super-block factors come
+ * inside run_super_pass (super_block_factors). */
 static void row_factors(int type, const uint8_t *w, RowFactors *f) {
     (void)type;
     (void)w;
