@@ -42,6 +42,18 @@ def each_prefill_form(request):
     native.prefill_attention_form(taken)
 
 
+@pytest.fixture(params=[0, 1], ids=["vector-units", "tile-units"])
+def each_unit_form(request):
+    """Runs a test with each way the bf16 decode attention runs units of sequences that share
+    blocks: vector passes, and (on AMX CPUs; elsewhere the same vector passes) tile products."""
+    from pagedgen.kernels.cpu import native
+
+    taken = native.decode_unit_form()
+    native.decode_unit_form(request.param)
+    yield request.param
+    native.decode_unit_form(taken)
+
+
 @pytest.fixture(params=[0, 1], ids=["vdpbf16ps", "float32-fma"])
 def each_gemm_form(request):
     """Runs a test with each form of the AVX-512 BF16 GEMM (VDPBF16PS only, and float32 FMAs

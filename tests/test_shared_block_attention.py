@@ -3,7 +3,8 @@ requests behind one cached system prompt): the bf16 kernel reads those blocks on
 them and scores their keys 16 queries at a time. What a user relies on: each sequence gets what
 it gets when attended alone (up to one bf16 rounding: the shared keys' dot products are summed
 in another order), whatever its neighbours share, and the reference's values; with sharing off
-(batch-invariant runs) exactly what it gets alone."""
+(batch-invariant runs) exactly what it gets alone. On AMX CPUs units run on the tile unit or on
+vector passes; both are tested."""
 import pytest
 import torch
 
@@ -67,6 +68,7 @@ GROUPS = [
     (4, 6, [-5, 20, -21, 4]),                     # some share fewer whole blocks
     (40, 4, [i % 23 for i in range(40)]),         # more than one unit holds
     (2, 1, [1, 2]),
+    (3, 19, [5, 0, 12]),                          # past one pass of the tile sums (256 keys)
 ]
 
 
@@ -75,7 +77,7 @@ GROUPS = [
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 64), (4, 1, 256),
                                                        (8, 2, 128)])
 def test_shared_blocks_give_each_sequence_what_it_gets_alone(threads, q_heads, kv_heads,
-                                                                     head_dim):
+                                                                     head_dim, each_unit_form):
     query, k_cache, v_cache, tables, lens = _shared_batch(GROUPS, q_heads, kv_heads, head_dim)
     scale = head_dim ** -0.5
     before = torch.get_num_threads()
@@ -92,7 +94,7 @@ def test_shared_blocks_give_each_sequence_what_it_gets_alone(threads, q_heads, k
 
 
 @needs_native
-def test_sharing_off_attends_every_row_alone_for_batch_invariance():
+def test_sharing_off_attends_every_row_alone_for_batch_invariance(each_unit_form):
     query, k_cache, v_cache, tables, lens = _shared_batch(GROUPS, 9, 3, 64, seed=3)
     off = torch.full_like(query, float("nan"))
     assert native.decode_attention(query, k_cache, v_cache, tables, lens, 0.125, off,

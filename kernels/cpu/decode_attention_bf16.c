@@ -13,7 +13,7 @@
  *   - each thread takes a contiguous run of sequences (split by tokens) and prefetches the
  *     next block into L2 while computing the current one, across passes and sequences;
  *   - neighbours that begin with the same blocks are attended as one unit, each shared block
- *     read once for all of them (decode_shared_blocks.h).
+ *     read once for all of them (decode_shared_blocks.h; with AMX, decode_shared_amx.h).
  * In a full decode step the KV is not cache resident (KV plus weights exceed the share of L3
  * a process gets), so what counts is that memory transfers overlap the arithmetic. The kernel
  * comes close to the time of reading its bytes in this order; the gap is the software
@@ -120,18 +120,41 @@ static int use_amx_scores(const DecodeAttention *args) {
 #endif
 }
 
+/* 1: units of sequences that share blocks run on the tile unit where the CPU lets them
+ * (decode_shared_amx.h); 0: on their vector passes (the tests run both on AMX CPUs). */
+static int unit_form = 1;
+
+int decode_attention_unit_form(int form) {
+    if (form == 0 || form == 1) __atomic_store_n(&unit_form, form, __ATOMIC_RELAXED);
+    return __atomic_load_n(&unit_form, __ATOMIC_RELAXED);
+}
+
+/* Whether this call's units run on the tile unit: as for the scores alone, but any number of
+ * query heads (a unit's queries are packed 16 to a tile whatever they are), head_dim 64 or 128. */
+static int use_amx_units(const DecodeAttention *args) {
+#ifdef AMX_UNITS
+    return decode_attention_unit_form(-2) && args->block_size % 16 == 0 &&
+           !args->sliding_window && (args->head_dim == 64 || args->head_dim == 128) &&
+           amx_available();
+#else
+    (void)args;
+    return 0;
+#endif
+}
+
 /* Sequences per unit: 1 where units do not apply, else as many as MEMBER_SCORE_BYTES of
- * scores hold, at most MAX_MEMBERS. */
-static int unit_members(const DecodeAttention *args, int64_t longest, int amx) {
-    if (!args->share_blocks || amx || args->sliding_window > 0) return 1;
+ * scores hold, at most MAX_MEMBERS. With AMX scores and no tile units, members are attended
+ * alone: re-reading the shared blocks from L3 with tile products beat the vector passes. */
+static int unit_members(const DecodeAttention *args, int64_t longest, int amx, int amx_units) {
+    if (!args->share_blocks || (amx && !amx_units) || args->sliding_window > 0) return 1;
     const int64_t per_member = (int64_t)args->num_q_heads * longest * 4;
     const int64_t fit = MEMBER_SCORE_BYTES / per_member;
     return fit < 1 ? 1 : fit > MAX_MEMBERS ? MAX_MEMBERS : (int)fit;
 }
 
 /* One allocation per thread for its Scratch; returns it (to free), NULL when out of memory. */
-static void *make_scratch(const DecodeAttention *args, int64_t longest, int amx, int members,
-                          Scratch *scratch) {
+static void *make_scratch(const DecodeAttention *args, int64_t longest, int amx, int amx_units,
+                          int members, Scratch *scratch) {
     const size_t heads = (size_t)args->num_q_heads, lanes = heads < 16 ? 16 : heads;
     const size_t score_floats = amx ? ((size_t)longest + 15) / 16 * 16 * 16 : heads * longest;
     const size_t tile_words = amx ? (size_t)args->num_kv_heads * (args->head_dim / 32) * 256 : 0;
@@ -139,8 +162,19 @@ static void *make_scratch(const DecodeAttention *args, int64_t longest, int amx,
     const size_t unit_words = members > 1 ? (size_t)args->num_kv_heads *
         ((members * group + 15) / 16) * (args->head_dim / 2) * 16 : 0;
     const size_t value_floats = members > 1 ? (size_t)args->block_size * args->head_dim : 0;
-    const size_t floats = members * (score_floats + 2 * lanes + heads * args->head_dim) +
-                          tile_words + unit_words + value_floats;
+    /* units' tiles: SEGMENT_KEYS keys of V (head_dim / 16 tiles per 32 keys), of P (two tiles
+     * per 32 keys), four output tiles and a member's Q^T, each 1 KB and 64-byte aligned */
+#ifdef AMX_UNITS
+    const size_t segment_steps = SEGMENT_KEYS / 32;
+#else
+    const size_t segment_steps = 0;
+#endif
+    const size_t own_q_words = (size_t)args->num_kv_heads * (args->head_dim / 32) * 256;
+    const size_t unit_tile_words = members > 1 && amx_units
+        ? (segment_steps * (args->head_dim / 16 + 2) + 4) * 256 + own_q_words : 0;
+    const size_t before_tiles = (members * (score_floats + 2 * lanes + heads * args->head_dim) +
+                                 tile_words + unit_words + value_floats + 15) / 16 * 16;
+    const size_t floats = before_tiles + unit_tile_words;
     float *buffer = aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
     if (buffer == NULL) return NULL;
     scratch->score_floats = (int64_t)score_floats;
@@ -154,6 +188,14 @@ static void *make_scratch(const DecodeAttention *args, int64_t longest, int amx,
     scratch->q_tiles = amx ? (uint32_t *)after : NULL;
     scratch->unit_queries = members > 1 ? (uint32_t *)(after + tile_words) : NULL;
     scratch->unit_values = members > 1 ? after + tile_words + unit_words : NULL;
+    scratch->value_tiles = unit_tile_words ? (uint32_t *)(buffer + before_tiles) : NULL;
+    scratch->prob_tiles = unit_tile_words
+        ? (uint16_t *)(scratch->value_tiles + segment_steps * (args->head_dim / 16) * 256)
+        : NULL;
+    scratch->tile_out =
+        unit_tile_words ? (float *)(scratch->prob_tiles + segment_steps * 1024) : NULL;
+    scratch->own_q_tiles = unit_tile_words ? (uint32_t *)(scratch->tile_out + 4 * 256) : NULL;
+    if (unit_tile_words) memset(scratch->own_q_tiles, 0, own_q_words * 4); /* as q_tiles */
     if (amx) memset(scratch->q_tiles, 0, tile_words * 4); /* the columns that stay zero */
     return buffer;
 }
@@ -169,11 +211,12 @@ void decode_attention_bf16_team(const DecodeAttention *args, int *failed) {
                          args->seq_lens, args->out, args->q_stride, args->max_blocks,
                          args->num_q_heads, args->num_kv_heads, args->block_size, args->scale,
                          args->sliding_window};
-    const int amx = use_amx_scores(args), threads = omp_get_num_threads();
-    const int members = unit_members(args, longest, amx);
+    const int amx = use_amx_scores(args), amx_units = use_amx_units(args);
+    const int threads = omp_get_num_threads();
+    const int members = unit_members(args, longest, amx, amx_units);
     const int64_t cap = (total + threads - 1) / threads; /* a unit's tokens: a thread's share */
     Scratch scratch;
-    void *buffer = make_scratch(args, longest, amx, members, &scratch);
+    void *buffer = make_scratch(args, longest, amx, amx_units, members, &scratch);
     if (buffer == NULL) {
 #pragma omp atomic write
         *failed = 1;
@@ -181,7 +224,7 @@ void decode_attention_bf16_team(const DecodeAttention *args, int *failed) {
     int begin, end;
     split_units(&job, args->num_seqs, members, cap, omp_get_thread_num(), threads, &begin, &end);
 #ifdef AMX_SCORES
-    if (amx) configure_full_tiles();
+    if (amx || (amx_units && members > 1)) configure_full_tiles();
 #endif
     for (int seq = begin; buffer != NULL && seq < end;) {
         const Unit unit = next_unit(&job, seq, end, members, cap);
@@ -189,7 +232,7 @@ void decode_attention_bf16_team(const DecodeAttention *args, int *failed) {
         attend(&job, unit, seq < end ? seq : -1, &scratch);
     }
 #ifdef AMX_SCORES
-    if (amx) _tile_release();
+    if (amx || (amx_units && members > 1)) _tile_release();
 #endif
     free(buffer);
 #pragma omp barrier
@@ -199,5 +242,6 @@ void decode_attention_bf16_team(const DecodeAttention *args, int *failed) {
 
 int decode_attention_bf16_supported(const DecodeAttention *args) { return 0; }
 void decode_attention_bf16_team(const DecodeAttention *args, int *failed) {}
+int decode_attention_unit_form(int form) { return 0; }
 
 #endif

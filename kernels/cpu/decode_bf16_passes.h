@@ -154,12 +154,16 @@ ALWAYS_INLINE void weigh_values(const Bf16Job *job, const int64_t *table, int64_
 
 /* Per-thread scratch: scores, per-head max and 1/sum (16 at least), V sums, each once per
  * member of a unit of sequences that share blocks (member m's at m times its size); with AMX,
- * Q^T. */
+ * Q^T and the units' tiles. */
 typedef struct {
     float *scores, *max_score, *inv_sum, *acc;
     uint32_t *q_tiles;    /* NULL: the dot-product path */
     uint32_t *unit_queries; /* a unit's queries in lanes (decode_shared_blocks.h) */
     float *unit_values;     /* one shared block's V rows of one kv head, widened */
+    uint32_t *value_tiles;  /* NULL: units' vector passes; else their tiles (decode_shared_amx.h) */
+    uint16_t *prob_tiles;
+    float *tile_out;
+    uint32_t *own_q_tiles;  /* a member's Q^T for its own keys (decode_shared_amx.h) */
     int64_t score_floats; /* one member's scores */
     int lanes, head_dim;  /* one member's max_score and inv_sum floats; its acc: heads x head_dim */
 } Scratch;

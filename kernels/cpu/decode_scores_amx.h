@@ -24,8 +24,10 @@
 #define AMX_SCORES 1
 #define TILE_WORDS 256 /* 16 rows x 16 pairs of bf16 */
 
-/* Q^T tile (kv, i), row r, column h (a query head of kv head `kv`): the pair
- * q[h][32 i + 2 r], q[h][32 i + 2 r + 1]. The other columns stay zero from the start. */
+/* Q^T tile (kv, i), row r, column h % 16 (h a query head of kv head `kv`): the pair
+ * q[h][32 i + 2 r], q[h][32 i + 2 r + 1]. The other columns stay zero from the start. With
+ * more than 16 heads (units' own keys, decode_shared_amx.h), heads 16-31 take the columns
+ * again: their kv heads' products go to a second score tile. */
 ALWAYS_INLINE void pack_query_tiles(const Bf16Job *job, const uint16_t *q, uint32_t *tiles,
                                     int DIM, int GROUP) {
     const int NV = DIM / 32;
@@ -35,7 +37,7 @@ ALWAYS_INLINE void pack_query_tiles(const Bf16Job *job, const uint16_t *q, uint3
             for (int g = 0; g < GROUP; g++) {
                 const int h = kv * GROUP + g;
                 for (int r = 0; r < 16; r++)
-                    memcpy(tile + r * 16 + h, q + h * DIM + 32 * i + 2 * r, 4);
+                    memcpy(tile + r * 16 + h % 16, q + h * DIM + 32 * i + 2 * r, 4);
             }
         }
 }

@@ -13,8 +13,9 @@
  * value sums are the same operations in the same order (the shared V rows widened to float32
  * once for all members). Batch-invariant runs switch units off (share_blocks 0).
  *
- * Used by decode_attention_bf16.c where its score and value passes serve (not the AMX score
- * path; not sliding windows: a member's window would start inside the shared blocks). Members
+ * Used by decode_attention_bf16.c (not for sliding windows: a member's window would start
+ * inside the shared blocks); on AMX CPUs the shared passes are tile products instead
+ * (decode_shared_amx.h), the members' own blocks as here. Members
  * must be neighbours in the batch; the scheduler keeps a request's samples together, and
  * requests behind one prompt arrive together.
  */
@@ -30,18 +31,8 @@
 
 #include "decode_bf16_blocks.h"
 #include "decode_bf16_passes.h"
-
-#define MAX_MEMBERS 16 /* sequences per unit: past 16 the shared bytes are already small */
-/* Scores of a unit's members live together in one thread's scratch; long contexts take fewer
- * members per unit rather than more memory. */
-#define MEMBER_SCORE_BYTES (8 << 20)
-
-/* Sequences [first, first + count) of the batch; their first `shared` tokens (whole blocks)
- * are in the same physical blocks. count 1: a sequence alone (shared 0). */
-typedef struct {
-    int first, count;
-    int64_t shared;
-} Unit;
+#include "decode_shared_amx.h" /* with AMX: score_shared_amx, weigh_shared_amx, AMX_UNITS */
+#include "decode_units.h"      /* Unit, Member, pack_unit_queries, transpose16, fold_max */
 
 /* Leading tokens of sequences a and b held in the same physical blocks, in whole blocks that
  * both have filled. */
@@ -107,76 +98,9 @@ static void split_units(const Bf16Job *job, int num_seqs, int members, int64_t c
     if (*begin > *end) *begin = *end;
 }
 
-/* Member m's slice of the scratch. */
-typedef struct {
-    float *scores, *max_score, *inv_sum, *acc;
-    int64_t len;
-    const int64_t *table;
-    const uint16_t *q;
-} Member;
-
-ALWAYS_INLINE Member member_of(const Bf16Job *job, const Scratch *scratch, Unit unit, int m) {
-    const int seq = unit.first + m;
-    Member member = {scratch->scores + m * scratch->score_floats,
-                     scratch->max_score + m * scratch->lanes, scratch->inv_sum + m * scratch->lanes,
-                     scratch->acc + (int64_t)m * job->num_q_heads * scratch->head_dim,
-                     job->seq_lens[seq], job->block_tables + (int64_t)seq * job->max_blocks,
-                     job->q + seq * job->q_stride};
-    return member;
-}
-
 /* A unit's queries (members x GROUP) from which the lanes path scores its shared keys: with
  * fewer, most of its 16 lanes would be empty and the row path (score_shared_rows) is cheaper. */
 #define LANES_FROM 8
-
-ALWAYS_INLINE __mmask16 first_lanes16(int64_t count) {
-    return count >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1u);
-}
-
-/* The unit's queries of kv head `kv`, every member's GROUP heads in turn (query i: member
- * i / GROUP, head kv * GROUP + i % GROUP), packed 16 to a vector as dim pairs: word r of pair
- * p of vector v is pair p of query 16 v + r (0 past the last query). */
-ALWAYS_INLINE void pack_unit_queries(const Bf16Job *job, Unit unit, uint32_t *packed, int DIM,
-                                     int GROUP) {
-    const int queries = unit.count * GROUP, vectors = (queries + 15) / 16, pairs = DIM / 2;
-    for (int kv = 0; kv < job->num_kv_heads; kv++)
-        for (int i = 0; i < vectors * 16; i++) {
-            uint32_t *lane = packed + ((int64_t)kv * vectors + i / 16) * pairs * 16 + i % 16;
-            const uint16_t *q = job->q + (unit.first + i / GROUP) * job->q_stride +
-                                (kv * GROUP + i % GROUP) * DIM;
-            for (int p = 0; p < pairs; p++) {
-                uint32_t pair = 0;
-                if (i < queries) memcpy(&pair, q + 2 * p, 4);
-                lane[p * 16] = pair;
-            }
-        }
-}
-
-/* 16 x 16 floats: v[r] lane t <- v[t] lane r. */
-ALWAYS_INLINE void transpose16(__m512 v[16]) {
-    __m512 a[16], b[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 2; j++) {
-            __m512d x = _mm512_castps_pd(a[4 * i + j]), y = _mm512_castps_pd(a[4 * i + j + 2]);
-            b[4 * i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(x, y));
-            b[4 * i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x, y));
-        }
-    /* b[4i + k]: rows 4i..4i+3, element k of each 4-lane group; now the 128-bit groups */
-    for (int i = 0; i < 4; i++) {
-        __m512 lo0 = _mm512_shuffle_f32x4(b[i], b[4 + i], _MM_SHUFFLE(2, 0, 2, 0));
-        __m512 hi0 = _mm512_shuffle_f32x4(b[i], b[4 + i], _MM_SHUFFLE(3, 1, 3, 1));
-        __m512 lo1 = _mm512_shuffle_f32x4(b[8 + i], b[12 + i], _MM_SHUFFLE(2, 0, 2, 0));
-        __m512 hi1 = _mm512_shuffle_f32x4(b[8 + i], b[12 + i], _MM_SHUFFLE(3, 1, 3, 1));
-        v[i] = _mm512_shuffle_f32x4(lo0, lo1, _MM_SHUFFLE(2, 0, 2, 0));
-        v[8 + i] = _mm512_shuffle_f32x4(lo0, lo1, _MM_SHUFFLE(3, 1, 3, 1));
-        v[4 + i] = _mm512_shuffle_f32x4(hi0, hi1, _MM_SHUFFLE(2, 0, 2, 0));
-        v[12 + i] = _mm512_shuffle_f32x4(hi0, hi1, _MM_SHUFFLE(3, 1, 3, 1));
-    }
-}
 
 /* The shared blocks' keys against 16 of the unit's queries at a time, the queries in the lanes:
  * per key, one VDPBF16PS per dim pair with the key's pair broadcast from the cache row gives 16
@@ -229,17 +153,7 @@ ALWAYS_INLINE void score_shared_lanes(const Bf16Job *job, const Scratch *scratch
             }
         }
     }
-    /* each row's maximum over its shared keys, from the stored scores (in L2 by now) */
-    for (int m = 0; m < unit.count; m++)
-        for (int h = 0; h < job->num_q_heads; h++) {
-            const float *row = members[m].scores + h * members[m].len;
-            __m512 top = _mm512_set1_ps(-FLT_MAX);
-            for (int64_t t = 0; t < unit.shared; t += 16) {
-                const __mmask16 keys = first_lanes16(unit.shared - t);
-                top = _mm512_mask_max_ps(top, keys, top, _mm512_maskz_loadu_ps(keys, row + t));
-            }
-            members[m].max_score[h] = fmaxf(members[m].max_score[h], _mm512_reduce_max_ps(top));
-        }
+    for (int m = 0; m < unit.count; m++) fold_max(&members[m], 0, unit.shared, job->num_q_heads);
 }
 
 /* The shared blocks' keys against every member's query heads: score_keys for each member, with
@@ -313,12 +227,20 @@ ALWAYS_INLINE void weigh_shared_values(const Bf16Job *job, const Scratch *scratc
 ALWAYS_INLINE void attend_unit(const Bf16Job *job, Unit unit, int next, const Scratch *scratch,
                                int DIM, int GROUP) {
     const int heads = job->num_q_heads;
+    Member members[MAX_MEMBERS];
     for (int m = 0; m < unit.count; m++) {
-        const Member member = member_of(job, scratch, unit, m);
-        for (int h = 0; h < heads; h++) member.max_score[h] = -FLT_MAX;
-        zero_floats(member.acc, (int64_t)heads * DIM);
+        members[m] = member_of(job, scratch, unit, m);
+        for (int h = 0; h < heads; h++) members[m].max_score[h] = -FLT_MAX;
+        zero_floats(members[m].acc, (int64_t)heads * DIM);
     }
     const NextPass own_keys = block_from(job, job->k_cache, unit.first, unit.shared, DIM);
+#ifdef AMX_UNITS
+    const int tiles = scratch->value_tiles != NULL && (DIM == 64 || DIM == 128);
+    if (tiles) {
+        score_shared_amx(job, scratch, unit, members, own_keys, DIM, GROUP);
+        for (int m = 0; m < unit.count; m++) fold_max(&members[m], 0, unit.shared, heads);
+    } else
+#endif
     if (unit.count * GROUP >= LANES_FROM)
         score_shared_lanes(job, scratch, unit, own_keys, DIM, GROUP);
     else
@@ -328,12 +250,24 @@ ALWAYS_INLINE void attend_unit(const Bf16Job *job, Unit unit, int next, const Sc
         const NextPass then = m + 1 < unit.count
             ? block_from(job, job->k_cache, unit.first + m + 1, unit.shared, DIM)
             : block_from(job, job->v_cache, unit.first, 0, DIM);
-        score_keys(job, member.table, unit.shared, member.len, 0, member.q, member.scores,
-                   member.max_score, then, DIM, GROUP);
+#ifdef AMX_UNITS
+        if (tiles && own_keys_on_tiles(heads, GROUP)) {
+            score_own_amx(job, scratch, &member, unit.shared, then, DIM, GROUP);
+            fold_max(&member, unit.shared, member.len, heads);
+        } else
+#endif
+            score_keys(job, member.table, unit.shared, member.len, 0, member.q, member.scores,
+                       member.max_score, then, DIM, GROUP);
         softmax_rows(member.scores, member.len, 0, member.max_score, member.inv_sum, heads);
     }
-    weigh_shared_values(job, scratch, unit, block_from(job, job->v_cache, unit.first, unit.shared,
-                                                       DIM), DIM, GROUP);
+#ifdef AMX_UNITS
+    if (tiles)
+        weigh_shared_amx(job, scratch, unit, members, DIM, GROUP);
+    else
+#endif
+        weigh_shared_values(job, scratch, unit,
+                            block_from(job, job->v_cache, unit.first, unit.shared, DIM), DIM,
+                            GROUP);
     for (int m = 0; m < unit.count; m++) {
         const Member member = member_of(job, scratch, unit, m);
         const NextPass then = m + 1 < unit.count

@@ -41,6 +41,7 @@ SOURCES = [Path(__file__).with_name(name)
                         "prefill_attention_avx512.c")]
 HEADERS = [Path(__file__).with_name(name)  # part of the cache key
            for name in ("decode_shapes.h", "team_ops.h", "decode_scores_amx.h",
+                        "decode_shared_amx.h", "decode_units.h",
                         "decode_bf16_blocks.h", "decode_bf16_passes.h",
                         "decode_shared_blocks.h", "x86_common.h", "kv_codes.h", "gemm_common.h",
                         "gemm_micro_tiles.h", "amx_column_pair.h")]
@@ -284,6 +285,14 @@ def prefill_attention_path(num_q_heads: int, num_kv_heads: int, head_dim: int) -
     if library.prefill_attention_avx512_supported(num_q_heads, num_kv_heads, head_dim):
         return "AVX-512 BF16" + (", float32 FMA" if prefill_attention_form() else "")
     return "torch sdpa"
+
+
+def decode_unit_form(form: int = -2) -> int:
+    """How bf16 decode attention runs units of sequences that share blocks: 1 on the AMX tile
+    unit where the CPU has it (the default), 0 on vector passes. -2 reads it; 0 or 1 sets it
+    (the tests run both forms on AMX CPUs)."""
+    library = load()
+    return 0 if library is None else library.decode_attention_unit_form(form)
 
 
 def prefill_attention_form(form: int = -2) -> int:
