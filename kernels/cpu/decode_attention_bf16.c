@@ -79,10 +79,23 @@ ALWAYS_INLINE void attend_sequence(const Bf16Job *job, int seq, int next, const 
 
 #include "decode_shared_blocks.h" /* units of sequences that share blocks: attend_unit */
 
+/* Whether a sequence alone is attended as a unit of one on the tile unit: where its query
+ * heads do not fit the one score tile of the AMX score path (more than 16) but fit the units'
+ * own-key tiles, which beat the dot-product path. */
+ALWAYS_INLINE int alone_on_unit_tiles(const Scratch *scratch, int heads, int group) {
+#ifdef AMX_UNITS
+    return scratch->value_tiles != NULL && scratch->q_tiles == NULL &&
+           own_keys_on_tiles(heads, group);
+#else
+    (void)scratch, (void)heads, (void)group;
+    return 0;
+#endif
+}
+
 #define SPECIALISE(DIM, GROUP)                                                              \
     static void attend_##DIM##_##GROUP(const Bf16Job *job, Unit unit, int next,               \
                                        const Scratch *scratch) {                              \
-        if (unit.count == 1)                                                                  \
+        if (unit.count == 1 && !alone_on_unit_tiles(scratch, job->num_q_heads, GROUP))        \
             attend_sequence(job, unit.first, next, scratch, DIM, GROUP);                      \
         else                                                                                  \
             attend_unit(job, unit, next, scratch, DIM, GROUP);                                \
@@ -155,13 +168,15 @@ static int unit_members(const DecodeAttention *args, int64_t longest, int amx, i
 /* One allocation per thread for its Scratch; returns it (to free), NULL when out of memory. */
 static void *make_scratch(const DecodeAttention *args, int64_t longest, int amx, int amx_units,
                           int members, Scratch *scratch) {
+    /* unit buffers: for units, and for sequences alone that run as units of one */
+    const int units = members > 1 || (amx_units && !amx);
     const size_t heads = (size_t)args->num_q_heads, lanes = heads < 16 ? 16 : heads;
     const size_t score_floats = amx ? ((size_t)longest + 15) / 16 * 16 * 16 : heads * longest;
     const size_t tile_words = amx ? (size_t)args->num_kv_heads * (args->head_dim / 32) * 256 : 0;
     const size_t group = heads / (size_t)args->num_kv_heads;
-    const size_t unit_words = members > 1 ? (size_t)args->num_kv_heads *
+    const size_t unit_words = units ? (size_t)args->num_kv_heads *
         ((members * group + 15) / 16) * (args->head_dim / 2) * 16 : 0;
-    const size_t value_floats = members > 1 ? (size_t)args->block_size * args->head_dim : 0;
+    const size_t value_floats = units ? (size_t)args->block_size * args->head_dim : 0;
     /* units' tiles: SEGMENT_KEYS keys of V (head_dim / 16 tiles per 32 keys), of P (two tiles
      * per 32 keys), four output tiles and a member's Q^T, each 1 KB and 64-byte aligned */
 #ifdef AMX_UNITS
@@ -170,7 +185,7 @@ static void *make_scratch(const DecodeAttention *args, int64_t longest, int amx,
     const size_t segment_steps = 0;
 #endif
     const size_t own_q_words = (size_t)args->num_kv_heads * (args->head_dim / 32) * 256;
-    const size_t unit_tile_words = members > 1 && amx_units
+    const size_t unit_tile_words = units && amx_units
         ? (segment_steps * (args->head_dim / 16 + 2) + 4) * 256 + own_q_words : 0;
     const size_t before_tiles = (members * (score_floats + 2 * lanes + heads * args->head_dim) +
                                  tile_words + unit_words + value_floats + 15) / 16 * 16;
@@ -186,8 +201,8 @@ static void *make_scratch(const DecodeAttention *args, int64_t longest, int amx,
     scratch->acc = scratch->inv_sum + members * lanes;
     float *after = scratch->acc + members * heads * args->head_dim;
     scratch->q_tiles = amx ? (uint32_t *)after : NULL;
-    scratch->unit_queries = members > 1 ? (uint32_t *)(after + tile_words) : NULL;
-    scratch->unit_values = members > 1 ? after + tile_words + unit_words : NULL;
+    scratch->unit_queries = units ? (uint32_t *)(after + tile_words) : NULL;
+    scratch->unit_values = units ? after + tile_words + unit_words : NULL;
     scratch->value_tiles = unit_tile_words ? (uint32_t *)(buffer + before_tiles) : NULL;
     scratch->prob_tiles = unit_tile_words
         ? (uint16_t *)(scratch->value_tiles + segment_steps * (args->head_dim / 16) * 256)
@@ -224,7 +239,7 @@ void decode_attention_bf16_team(const DecodeAttention *args, int *failed) {
     int begin, end;
     split_units(&job, args->num_seqs, members, cap, omp_get_thread_num(), threads, &begin, &end);
 #ifdef AMX_SCORES
-    if (amx || (amx_units && members > 1)) configure_full_tiles();
+    if (amx || amx_units) configure_full_tiles();
 #endif
     for (int seq = begin; buffer != NULL && seq < end;) {
         const Unit unit = next_unit(&job, seq, end, members, cap);
@@ -232,7 +247,7 @@ void decode_attention_bf16_team(const DecodeAttention *args, int *failed) {
         attend(&job, unit, seq < end ? seq : -1, &scratch);
     }
 #ifdef AMX_SCORES
-    if (amx || (amx_units && members > 1)) _tile_release();
+    if (amx || amx_units) _tile_release();
 #endif
     free(buffer);
 #pragma omp barrier
