@@ -94,6 +94,23 @@ def test_shared_blocks_give_each_sequence_what_it_gets_alone(threads, q_heads, k
 
 
 @needs_native
+@pytest.mark.parametrize("block_size,q_heads,kv_heads,head_dim", [(32, 9, 3, 64), (64, 32, 8, 64),
+                                                                  (32, 8, 2, 128)])
+def test_larger_blocks_give_each_sequence_what_it_gets_alone(block_size, q_heads, kv_heads,
+                                                             head_dim, each_unit_form):
+    # Blocks of two to four 16-key chunks; 9 shared blocks run past one pass of the tile sums.
+    groups = [(6, 3, [5, 40, 0, 17, 70, 1]), (3, 9, [2, 33, 64])]
+    query, k_cache, v_cache, tables, lens = _shared_batch(groups, q_heads, kv_heads, head_dim,
+                                                          block_size=block_size, seed=5)
+    scale = head_dim ** -0.5
+    together = _attend(query, k_cache, v_cache, tables, lens, scale)
+    assert_same_but_rounding(together, _alone(query, k_cache, v_cache, tables, lens, scale))
+    expected = reference.paged_attention(query, k_cache, v_cache, tables.int(), lens.int(),
+                                         torch.arange(len(lens) + 1, dtype=torch.int32), scale)
+    torch.testing.assert_close(together.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_native
 def test_sharing_off_attends_every_row_alone_for_batch_invariance(each_unit_form):
     query, k_cache, v_cache, tables, lens = _shared_batch(GROUPS, 9, 3, 64, seed=3)
     off = torch.full_like(query, float("nan"))
