@@ -164,9 +164,10 @@ ALWAYS_INLINE void score_own_amx(const Bf16Job *job, const Scratch *scratch, con
                 __m512 dots[16]; /* key t against 16 heads, then head r against 16 keys */
                 for (int t = 0; t < 16; t++) dots[t] = _mm512_load_ps(tile + 16 * t);
                 transpose16(dots);
-                for (int r = 0; r < 16 && 16 * part + r < heads; r++)
-                    _mm512_mask_storeu_ps(member->scores + (16 * part + r) * member->len + start + c,
-                                          valid, _mm512_mul_ps(dots[r], scale));
+                for (int r = 0; r < 16 && 16 * part + r < heads; r++) {
+                    float *row = member->scores + (16 * part + r) * member->len;
+                    _mm512_mask_storeu_ps(row + start + c, valid, _mm512_mul_ps(dots[r], scale));
+                }
             }
         }
     }
@@ -242,10 +243,6 @@ ALWAYS_INLINE int next_value_runs(const Bf16Job *job, const int64_t *table, int6
     return runs;
 }
 
-ALWAYS_INLINE __m512 bf16x16_widen(__m256i words) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
-}
-
 /* Left tiles of the probabilities of query tile v of kv head kv over shared keys [from, from
  * + keys): tile 2 s the bf16 high parts of keys 32 s.., tile 2 s + 1 the low parts; row r is
  * query 16 v + r (zero past the unit's queries, and past the last key). */
@@ -268,7 +265,8 @@ ALWAYS_INLINE void pack_prob_tiles(const Member *members, Unit unit, int kv, int
             }
             const __m512i high = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
             const __m512 rest0 = _mm512_sub_ps(p0, bf16x16_widen(_mm512_castsi512_si256(high)));
-            const __m512 rest1 = _mm512_sub_ps(p1, bf16x16_widen(_mm512_extracti64x4_epi64(high, 1)));
+            const __m512 rest1 =
+                _mm512_sub_ps(p1, bf16x16_widen(_mm512_extracti64x4_epi64(high, 1)));
             _mm512_store_si512(hi + 32 * r, high);
             _mm512_store_si512(lo + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(rest1, rest0));
         }

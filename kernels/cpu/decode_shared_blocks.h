@@ -237,8 +237,10 @@ ALWAYS_INLINE void attend_unit(const Bf16Job *job, Unit unit, int next, const Sc
 #ifdef AMX_UNITS
     const int tiles = scratch->value_tiles != NULL && (DIM == 64 || DIM == 128);
     if (tiles) {
-        score_shared_amx(job, scratch, unit, members, own_keys, DIM, GROUP);
-        for (int m = 0; m < unit.count; m++) fold_max(&members[m], 0, unit.shared, heads);
+        if (unit.shared > 0) { /* none for a sequence alone (alone_on_unit_tiles) */
+            score_shared_amx(job, scratch, unit, members, own_keys, DIM, GROUP);
+            for (int m = 0; m < unit.count; m++) fold_max(&members[m], 0, unit.shared, heads);
+        }
     } else
 #endif
     if (unit.count * GROUP >= LANES_FROM)

@@ -51,10 +51,14 @@ static inline void configure_full_tiles(void) {
 #if defined(__AVX512F__)
 /* bf16 is the upper half of a float32: widening is exact, a shift or a mask. */
 
+/* 16 bf16 values in a register -> 16 float32. */
+static inline __attribute__((always_inline)) __m512 bf16x16_widen(__m256i words) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16));
+}
+
 /* 16 bf16 values -> 16 float32. */
 static inline __attribute__((always_inline)) __m512 bf16x16_to_f32(const uint16_t *src) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    return bf16x16_widen(_mm256_loadu_si256((const __m256i *)src));
 }
 
 /* 16 pairs of bf16 (one per 32-bit lane) -> the 16 first (even) values as float32 ... */
