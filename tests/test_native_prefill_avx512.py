@@ -27,13 +27,14 @@ needs_avx512_bf16 = pytest.mark.skipif(_library() is None,
                                        reason="no AVX-512 BF16 (or no native library) here")
 
 
-def _call_avx512(query, k_cache, v_cache, blocks, context_len, scale, out, threads=None) -> int:
+def _call_avx512(query, k_cache, v_cache, blocks, context_len, scale, out, threads=None,
+                 window=0) -> int:
     """The AVX-512 entry itself (native.prefill_attention would take AMX first where present)."""
     q_len, num_q_heads, head_dim = query.shape
     return _library().prefill_attention_avx512_bf16(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         blocks.data_ptr(), context_len, q_len, out.data_ptr(), num_q_heads, k_cache.shape[2],
-        head_dim, k_cache.shape[1], scale, 0, threads or torch.get_num_threads())
+        head_dim, k_cache.shape[1], scale, window, threads or torch.get_num_threads())
 
 
 def _case(q_len, context_len, q_heads, kv_heads, head_dim, block_size, seed):
@@ -48,12 +49,12 @@ def _case(q_len, context_len, q_heads, kv_heads, head_dim, block_size, seed):
     return qkv[:, :q_heads], k_cache, v_cache, blocks
 
 
-def _expected(query, k_cache, v_cache, blocks, context_len, scale):
+def _expected(query, k_cache, v_cache, blocks, context_len, scale, window=0):
     q_len = query.shape[0]
     return reference.paged_attention(
         query.float().contiguous(), k_cache.float(), v_cache.float(), blocks[None].int(),
         torch.tensor([context_len], dtype=torch.int32),
-        torch.tensor([0, q_len], dtype=torch.int32), scale)
+        torch.tensor([0, q_len], dtype=torch.int32), scale, sliding_window=window)
 
 
 @needs_avx512_bf16
@@ -86,6 +87,23 @@ def test_avx512_prefill_splits_groups_across_threads(threads, q_len, context_len
     torch.testing.assert_close(out.float(),
                                _expected(query, k_cache, v_cache, blocks, context_len, 0.125),
                                atol=2e-2, rtol=2e-2)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("q_len,context_len,window,threads", [
+    (70, 70, 21, 2),     # many items: the V pairs packed once for the chunk
+    (40, 300, 37, 2),    # a chunk late in the sequence: keys before every row's window skipped
+    (5, 260, 100, 2),    # one row block: packed per item
+    (33, 90, 16, 1)])    # a window of exactly one step
+def test_avx512_prefill_sliding_window_matches_reference(q_len, context_len, window, threads):
+    # windows that start mid-step: the first step's keys before a row's window are masked
+    query, k_cache, v_cache, blocks = _case(q_len, context_len, 8, 2, 64, 16, seed=window)
+    out = torch.full((q_len, 8, 64), float("nan"), dtype=torch.bfloat16)
+    assert _call_avx512(query, k_cache, v_cache, blocks, context_len, 0.125, out, threads,
+                        window) == 0
+    torch.testing.assert_close(
+        out.float(), _expected(query, k_cache, v_cache, blocks, context_len, 0.125, window),
+        atol=2e-2, rtol=2e-2)
 
 
 @needs_avx512_bf16

@@ -62,6 +62,9 @@ typedef struct {
     int window;         /* > 0: row at p sees keys in (p - window, p]; 0: keys 0..p */
     int heads_per_item; /* a divisor of the group (query heads per kv head) */
     int wide;           /* 1: the float32 FMA form, 0: VDPBF16PS */
+    /* NULL, or every step's V pairs, packed once for all the items that read them:
+     * [context steps of KEYS][num_kv_heads][KEYS / 2][head_dim] (pack_chunk_values) */
+    const uint32_t *v_packed;
 } Chunk;
 
 /* One thread's state for a work item of `heads` (heads_per_item) query heads. */
@@ -312,10 +315,10 @@ ALWAYS_INLINE void values_wide(const __m512 *weights, const float *v_wide, __m51
 }
 
 /* One query head, 16 keys from key0: scores, online softmax, O^T update, in the float32 form
- * (wide) or the VDPBF16PS one. */
-ALWAYS_INLINE void attend_keys(int h, const uint16_t *const *k_rows, const Scratch *scratch,
-                               int64_t key0, int64_t first_pos, int window, float scale,
-                               int D, int codes, int wide) {
+ * (wide) or the VDPBF16PS one (v_pairs: the step's V pairs). */
+ALWAYS_INLINE void attend_keys(int h, const uint16_t *const *k_rows, const uint32_t *v_pairs,
+                               const Scratch *scratch, int64_t key0, int64_t first_pos,
+                               int window, float scale, int D, int codes, int wide) {
     __m512 s[KEYS];
     if (wide)
         scores_wide(scratch->q_wide + (int64_t)h * D * 16, scratch->k_wide, s, D);
@@ -328,7 +331,7 @@ ALWAYS_INLINE void attend_keys(int h, const uint16_t *const *k_rows, const Scrat
     if (wide)
         values_wide(s, scratch->v_wide, alpha, rescale, out, D);
     else
-        values_pairs(s, scratch->v_pairs, alpha, rescale, out, D);
+        values_pairs(s, v_pairs, alpha, rescale, out, D);
 }
 
 /* O^T / sum of one head -> its rows of out (bf16). */
@@ -365,19 +368,25 @@ ALWAYS_INLINE void attend_item(const Chunk *c, int first_head, int64_t row0, Scr
         s->max[h] = _mm512_set1_ps(-FLT_MAX); /* replaced by each row's first seen key */
         s->sum[h] = _mm512_setzero_ps();
     }
-    /* the first key of row 0's window: nothing before it is read */
-    const int64_t first_key = c->window > 0 && first_pos >= c->window ? first_pos - c->window + 1 : 0;
+    /* the first key of row 0's window, down to a step's start (c->v_packed's steps; the keys
+     * before the window are masked): nothing before it is read */
+    const int64_t first_key =
+        c->window > 0 && first_pos >= c->window ? (first_pos - c->window + 1) / KEYS * KEYS : 0;
     const uint16_t *k_rows[KEYS], *v_rows[KEYS];
     for (int64_t key0 = first_key; key0 <= last_key; key0 += KEYS) {
         key_rows(c, key0, kv, s, k_rows, v_rows, D, codes);
+        const uint32_t *v_pairs = s->v_pairs;
         if (wide) { /* once for every head of the group */
             widen_rows(k_rows, s->k_wide, D);
             widen_rows(v_rows, s->v_wide, D);
+        } else if (c->v_packed != NULL) {
+            v_pairs = c->v_packed + ((key0 / KEYS) * c->num_kv_heads + kv) * (KEYS / 2) * D;
         } else {
             pack_value_pairs(v_rows, s->v_pairs, D);
         }
         for (int h = 0; h < heads; h++)
-            attend_keys(h, k_rows, s, key0, first_pos, c->window, c->scale, D, codes, wide);
+            attend_keys(h, k_rows, v_pairs, s, key0, first_pos, c->window, c->scale, D, codes,
+                        wide);
     }
     for (int h = 0; h < heads; h++)
         write_rows(c, first_head + h, row0, rows, s->out + (int64_t)h * D * 16, s->sum[h]);
@@ -450,6 +459,31 @@ int prefill_attention_avx512_supported(int num_q_heads, int num_kv_heads, int he
            num_q_heads % num_kv_heads == 0;
 }
 
+/* Every item of a chunk reads the V rows of the steps below its causal limit, and each used to
+ * pack them into pairs itself: every step once per item (per 16 query rows and head set), a
+ * twentieth of the kernel's time over a long prompt. Packed once per chunk instead, where
+ * each step serves at least two items; not for the float32 form or 8-bit pools (their rows
+ * are widened or decoded per item), nor beyond PACKED_LIMIT bytes (then per item, as before). */
+#define PACKED_LIMIT ((int64_t)256 << 20)
+
+static int64_t packed_bytes(const Chunk *c) {
+    return (c->context_len + KEYS - 1) / KEYS * c->num_kv_heads * KEYS * c->head_dim * 2;
+}
+
+/* c->v_packed's steps, shared out among the team (every thread calls it; ends in a barrier).
+ * s is not read: bf16 rows need no decoding. */
+static void pack_chunk_values(const Chunk *c, uint32_t *v_packed, Scratch *s) {
+    const int64_t units = (c->context_len + KEYS - 1) / KEYS * c->num_kv_heads;
+    const int D = c->head_dim;
+    const uint16_t *k_rows[KEYS], *v_rows[KEYS];
+#pragma omp for schedule(static)
+    for (int64_t unit = 0; unit < units; unit++) {
+        key_rows(c, unit / c->num_kv_heads * KEYS, (int)(unit % c->num_kv_heads), s, k_rows,
+                 v_rows, D, 0);
+        pack_value_pairs(v_rows, v_packed + unit * (KEYS / 2) * D, D);
+    }
+}
+
 /* Which form runs: -1 until first asked, then as timed (or as set for tests). */
 static int form_in_use = -1;
 
@@ -470,6 +504,10 @@ static int attend_chunk(Chunk c, int num_threads) {
                                       threads);
     const int parts = c.num_q_heads / c.heads_per_item; /* head sets across all kv heads */
     const int64_t items = row_blocks * parts;
+    uint32_t *v_packed = NULL;
+    if (!c.wide && !c.codes && items >= 2 * (int64_t)c.num_kv_heads &&
+        packed_bytes(&c) <= PACKED_LIMIT)
+        v_packed = aligned_alloc(64, (size_t)packed_bytes(&c)); /* NULL: packed per item */
     int failed = 0; /* a thread without its scratch: rows left unwritten, so report it */
 #pragma omp parallel num_threads(threads)
     {
@@ -479,14 +517,18 @@ static int attend_chunk(Chunk c, int num_threads) {
 #pragma omp atomic write
             failed = 1;
         }
+        Chunk mine = c; /* v_packed: read by the items once all of it is packed (a barrier) */
+        if (v_packed != NULL) pack_chunk_values(&c, v_packed, &scratch);
+        mine.v_packed = v_packed;
         /* the last query rows see the most keys: hand them out first */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++)
             if (buffer != NULL)
-                attend(&c, (int)(item % parts) * c.heads_per_item,
+                attend(&mine, (int)(item % parts) * c.heads_per_item,
                        16 * (row_blocks - 1 - item / parts), &scratch);
         free(buffer);
     }
+    free(v_packed);
     return failed;
 }
 
