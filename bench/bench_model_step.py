@@ -1,12 +1,13 @@
-"""One model step of the default model vs its GEMM floor.
+"""One model step vs its GEMM floor.
 
-    python bench/bench_model_step.py [--dtype bfloat16] [--threads 1] [--repeats 5]
+    python bench/bench_model_step.py [--model default] [--dtype bfloat16] [--threads 1] [--repeats 5]
     python bench/bench_model_step.py --paths onednn,layers,fused   # the projection paths, in turn
 
 Times (median of --repeats) a decode step of --batch sequences at context --context, and a
 prefill of --prefill tokens (one sequence), each through ModelRunner.execute. The floor of a
-step is the bare time of the same GEMMs with the same weights and row counts: per layer the
-fused QKV, o_proj, fused gate/up and down projections, then the LM head on the sampled rows.
+step is the bare time of the same GEMMs with the same weights and row counts, on the path the
+step takes (the model's packed bf16 weights or GGUF blocks as stored): per layer the fused QKV,
+o_proj, fused gate/up and down projections, then the LM head on the sampled rows.
 ratio = step / floor: what attention, norms, RoPE, the KV writes and the batch bookkeeping add.
 The KV cache holds random values: attention costs the same whatever it reads.
 Both wall time and process CPU time are reported: on a machine shared with other work the
@@ -23,10 +24,11 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from pagedgen.model.layers.linear import linear
 from pagedgen.model.loading.loader import load_model
 from pagedgen.model.runtime.runner import ModelRunner, ScheduledChunk
 from pagedgen.settings import EngineConfig
@@ -50,7 +52,9 @@ def median_timing(fn, repeats: int) -> Timing:
 
 
 def gemm_floor(model, tokens: int, sampled: int, dtype: torch.dtype) -> callable:
-    """The projection + MLP + LM-head GEMMs of one step, nothing else."""
+    """The projection + MLP + LM-head GEMMs of one step, nothing else, through the same
+    `linear` as the model (a GGUF model's weight tensors are placeholders: its matrices are
+    the packed blocks)."""
     hidden = torch.randn(tokens, model.config.hidden_size, dtype=dtype)
     inter = torch.randn(tokens, model.config.intermediate_size, dtype=dtype)
     attn_out = torch.randn(tokens, model.config.q_size, dtype=dtype)
@@ -59,11 +63,12 @@ def gemm_floor(model, tokens: int, sampled: int, dtype: torch.dtype) -> callable
     @torch.inference_mode()
     def run() -> None:
         for layer in model.layers:
-            F.linear(hidden, layer.attention.qkv_weight, layer.attention.qkv_bias)
-            F.linear(attn_out, layer.attention.o_weight)
-            F.linear(hidden, layer.mlp.gate_up_weight)
-            F.linear(inter, layer.mlp.down_weight)
-        F.linear(head_rows, model.lm_head_weight)
+            attention, mlp = layer.attention, layer.mlp
+            linear(hidden, attention.qkv_weight, attention.qkv_bias, attention.qkv_packed)
+            linear(attn_out, attention.o_weight, attention.o_bias, attention.o_packed)
+            linear(hidden, mlp.gate_up_weight, packed=mlp.gate_up_packed)
+            linear(inter, mlp.down_weight, packed=mlp.down_packed)
+        linear(head_rows, model.lm_head_weight, packed=model.lm_head_packed)
     return run
 
 
@@ -98,6 +103,9 @@ def projection_path(model) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default",
+                        help="'default' (the SmolLM2 GGUF, blocks as stored), a bench shape "
+                             "('bench', 'llama-1b'), 'gemma-270m', or a model folder or .gguf")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=64)
@@ -118,8 +126,19 @@ def main() -> None:
         run_steps(args)
 
 
+def model_path(choice: str) -> str | None:
+    """--model as load_model takes it: None for the built-in default."""
+    if choice == "default":
+        return None
+    if Path(choice).is_file() or (Path(choice) / "config.json").is_file():
+        return choice  # a .gguf file or a model folder
+    from make_bench_model import resolve_model  # the bench's shapes, made once
+
+    return str(resolve_model(choice))
+
+
 def run_steps(args) -> None:
-    loaded = load_model(None, dtype=args.dtype, device="cpu")
+    loaded = load_model(model_path(args.model), dtype=args.dtype, device="cpu")
     per_seq = -(-(args.context + 1) // args.block_size)
     num_blocks = max(args.batch * per_seq, -(-args.prefill // args.block_size))
     runner = ModelRunner(loaded, EngineConfig(block_size=args.block_size, num_blocks=num_blocks))
