@@ -62,9 +62,11 @@ typedef struct {
     int window;         /* > 0: row at p sees keys in (p - window, p]; 0: keys 0..p */
     int heads_per_item; /* a divisor of the group (query heads per kv head) */
     int wide;           /* 1: the float32 FMA form, 0: VDPBF16PS */
-    /* NULL, or every step's V pairs, packed once for all the items that read them:
-     * [context steps of KEYS][num_kv_heads][KEYS / 2][head_dim] (pack_chunk_values) */
+    /* NULL, or the V pairs of every step from step packed_from on (the first any row of the
+     * chunk sees), packed once for all the items that read them:
+     * [steps of KEYS][num_kv_heads][KEYS / 2][head_dim] (pack_chunk_values) */
     const uint32_t *v_packed;
+    int64_t packed_from;
 } Chunk;
 
 /* One thread's state for a work item of `heads` (heads_per_item) query heads. */
@@ -380,7 +382,8 @@ ALWAYS_INLINE void attend_item(const Chunk *c, int first_head, int64_t row0, Scr
             widen_rows(k_rows, s->k_wide, D);
             widen_rows(v_rows, s->v_wide, D);
         } else if (c->v_packed != NULL) {
-            v_pairs = c->v_packed + ((key0 / KEYS) * c->num_kv_heads + kv) * (KEYS / 2) * D;
+            v_pairs = c->v_packed +
+                      ((key0 / KEYS - c->packed_from) * c->num_kv_heads + kv) * (KEYS / 2) * D;
         } else {
             pack_value_pairs(v_rows, s->v_pairs, D);
         }
@@ -461,25 +464,30 @@ int prefill_attention_avx512_supported(int num_q_heads, int num_kv_heads, int he
 
 /* Every item of a chunk reads the V rows of the steps below its causal limit, and each used to
  * pack them into pairs itself: every step once per item (per 16 query rows and head set), a
- * twentieth of the kernel's time over a long prompt. Packed once per chunk instead, where
+ * visible share of the kernel's time over a long prompt. Packed once per chunk instead, where
  * each step serves at least two items; not for the float32 form or 8-bit pools (their rows
  * are widened or decoded per item), nor beyond PACKED_LIMIT bytes (then per item, as before). */
 #define PACKED_LIMIT ((int64_t)256 << 20)
 
-static int64_t packed_bytes(const Chunk *c) {
-    return (c->context_len + KEYS - 1) / KEYS * c->num_kv_heads * KEYS * c->head_dim * 2;
+/* The first step any row of the chunk sees: the start of its first row's window, if any. */
+static int64_t first_step_seen(const Chunk *c) {
+    const int64_t first_pos = c->context_len - c->q_len;
+    return c->window > 0 && first_pos >= c->window ? (first_pos - c->window + 1) / KEYS : 0;
+}
+
+static int64_t packed_units(const Chunk *c) {
+    return ((c->context_len + KEYS - 1) / KEYS - c->packed_from) * c->num_kv_heads;
 }
 
 /* c->v_packed's steps, shared out among the team (every thread calls it; ends in a barrier).
  * s is not read: bf16 rows need no decoding. */
 static void pack_chunk_values(const Chunk *c, uint32_t *v_packed, Scratch *s) {
-    const int64_t units = (c->context_len + KEYS - 1) / KEYS * c->num_kv_heads;
     const int D = c->head_dim;
     const uint16_t *k_rows[KEYS], *v_rows[KEYS];
 #pragma omp for schedule(static)
-    for (int64_t unit = 0; unit < units; unit++) {
-        key_rows(c, unit / c->num_kv_heads * KEYS, (int)(unit % c->num_kv_heads), s, k_rows,
-                 v_rows, D, 0);
+    for (int64_t unit = 0; unit < packed_units(c); unit++) {
+        key_rows(c, (c->packed_from + unit / c->num_kv_heads) * KEYS,
+                 (int)(unit % c->num_kv_heads), s, k_rows, v_rows, D, 0);
         pack_value_pairs(v_rows, v_packed + unit * (KEYS / 2) * D, D);
     }
 }
@@ -504,10 +512,12 @@ static int attend_chunk(Chunk c, int num_threads) {
                                       threads);
     const int parts = c.num_q_heads / c.heads_per_item; /* head sets across all kv heads */
     const int64_t items = row_blocks * parts;
+    c.packed_from = first_step_seen(&c);
+    const int64_t packed_bytes = packed_units(&c) * KEYS * c.head_dim * 2;
     uint32_t *v_packed = NULL;
     if (!c.wide && !c.codes && items >= 2 * (int64_t)c.num_kv_heads &&
-        packed_bytes(&c) <= PACKED_LIMIT)
-        v_packed = aligned_alloc(64, (size_t)packed_bytes(&c)); /* NULL: packed per item */
+        packed_bytes <= PACKED_LIMIT)
+        v_packed = aligned_alloc(64, (size_t)packed_bytes); /* NULL: packed per item */
     int failed = 0; /* a thread without its scratch: rows left unwritten, so report it */
 #pragma omp parallel num_threads(threads)
     {
