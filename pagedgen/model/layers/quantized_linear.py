@@ -44,12 +44,11 @@ def _cpu_vendor() -> str:
 
 # bf16 rows: int8 kernels below, bf16 tiles from here (AVX-512 BF16). The crossover is measured
 # per CPU kind (bench/GGUF_FIGURES.md): 4 rows on AMD Zen 4; on Intel Xeon (Sapphire / Emerald
-# Rapids, the tiles' float32 form) 8, and 16 for projections of K-quants only, whose int8
-# kernel sums whole super-blocks in integers and stays ahead of the tiles longer there. AMD's
-# K-quant crossover is not yet measured since that kernel changed, so it keeps the 4 it had.
+# Rapids, the tiles' float32 form) 8. Projections of K-quants only cross later, since their
+# int8 kernel sums whole super-blocks in integers: 10 rows on AMD Zen 4, 16 on those Xeons.
 _INTEL = _cpu_vendor() == "GenuineIntel"
 BF16_TILES_MIN_ROWS = 8 if _INTEL else 4
-BF16_TILES_MIN_ROWS_K_QUANTS = 16 if _INTEL else 4
+BF16_TILES_MIN_ROWS_K_QUANTS = 16 if _INTEL else 10
 # The amx_bf16 library's tiles multiply on the tile unit, so only the decode is left to pay:
 # they overtake the int8 kernels from 6 rows, 8 for K-quants (Intel Xeon with AMX).
 AMX_TILES_MIN_ROWS = 6
