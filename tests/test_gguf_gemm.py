@@ -164,12 +164,15 @@ def check_tiles_against_the_rounded_weights(library, kind: T) -> None:
                                    f"{error.max():.3g} beyond the bound by {excess.max():.3g}")
 
 
+@FORMS
 @pytest.mark.parametrize("kind", (T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K), ids=lambda t: t.name)
-def test_float32_tiles_are_the_dense_gemm_on_the_rounded_weights_bit_for_bit(kind: T) -> None:
-    """The tiles' float32 form runs, from 16-24 rows on, the dense GEMM's own float32
-    micro-tiles on weight panels decoded per tile: the dense GEMM (same form) on the
-    dequantized bf16 weight gives the same sums, so the same bits once rounded to bf16.
-    Weights of 1, 2 and 3 whole panels and some more blocks; rows in and past micro-tiles."""
+def test_panel_tiles_are_the_dense_gemm_on_the_rounded_weights_bit_for_bit(kind: T,
+                                                                           form: int) -> None:
+    """From 16-24 rows on the tiles run the dense GEMM's own micro-tiles (VDPBF16PS or
+    float32, as the tiles' form) on weight panels decoded per tile: the dense GEMM in the
+    same form on the dequantized bf16 weight gives the same sums, so the same bits once
+    rounded to bf16. Weights of 1, 2 and 3 whole panels and some more blocks; rows in and
+    past micro-tiles, up to the row counts the dense GEMM took before the panels."""
     from pagedgen.kernels.cpu import native
 
     if not build.cpu_supports("avx512_bf16") or native.gemm_kind() != "avx512":
@@ -177,11 +180,11 @@ def test_float32_tiles_are_the_dense_gemm_on_the_rounded_weights_bit_for_bit(kin
     library = kernels.load_path("avx512_bf16")
     rng = np.random.default_rng(300 + int(kind))
     taken = native.avx512_linear_form()
-    native.avx512_linear_form(1)
+    native.avx512_linear_form(form)
     try:
-        with tiles_in_form(library, 1):
+        with tiles_in_form(library, form):
             check_tiles_are_the_dense_gemm(library, kind, native.avx512_linear, rng,
-                                           ((48, 29), (96, 64), (160, 40), (208, 33), (64, 17)))
+                                           ((48, 29), (96, 64), (160, 40), (208, 33), (64, 17), (48, 203)))
     finally:
         native.avx512_linear_form(taken)
 

@@ -16,10 +16,15 @@
  * x86_common.h; Intel Xeons without usable AMX): the bf16 pairs of the tile and of the
  * activations are split in registers into their even and odd values widened to float32 (a
  * shift and a mask), and each product is an FMA: the same exact products as VDPBF16PS's,
- * summed in another order. From panel_min_rows() rows on it takes panel tiles instead: rows
- * decoded the same way, packed into the dense GEMM's layout and run through its own
- * micro-tiles (gemm_micro_tiles.h), which broadcast the activations rather than reduce
- * sums across lanes, and so give the dense GEMM's bits on the dequantized weight.
+ * summed in another order.
+ *
+ * From panel_min_rows() rows on, both forms take panel tiles instead: rows decoded the same
+ * way, packed into the dense GEMM's layout and run through its own micro-tiles of the same
+ * form (gemm_micro_tiles.h), which broadcast the activations rather than reduce sums across
+ * lanes, and so give the dense GEMM's bits on the dequantized weight. They serve every row
+ * count up to the dense GEMM's own limit: each weight is decoded once per call into a panel
+ * that stays in L2, where dequantizing the whole weight for the dense GEMM wrote it to fresh
+ * memory and packed it again (bench/GGUF_FIGURES.md).
  */
 #include "../gemm_micro_tiles.h"
 #include "../x86_common.h"
@@ -203,9 +208,9 @@ static void rows_through_tile(int whole_tile_in_l1, const uint16_t *tile, const 
 
 /* Weight rows per panel tile: the dense GEMM's micro-tile width, three 16-row blocks. */
 #define PANEL_ROWS (16 * MICRO_TILE_BLOCKS)
-/* The float32 form takes panel tiles from this many activation rows, wide_pass below: packing
- * the decoded rows pays from about there, sooner for short rows (K up to PANEL_SHORT_K, where
- * 16 rows gained and K = 2048 did not; bench/GGUF_FIGURES.md). */
+/* Panel tiles from this many activation rows: packing the decoded rows pays from about there,
+ * sooner for short rows (K up to PANEL_SHORT_K, where 16 rows gained and K = 2048 did not;
+ * bench/GGUF_FIGURES.md). */
 #ifndef PANEL_MIN_ROWS
 #define PANEL_MIN_ROWS 24
 #endif
@@ -245,17 +250,21 @@ static void round_tile_outputs(float *y, int64_t y_stride, int64_t m_rows, int c
         }
 }
 
-/* Every activation row against C packed blocks (panel), micro-tile by micro-tile, in the
- * float32 form (the rows widened by `wide`). */
+/* Every activation row against C packed blocks (panel), micro-tile by micro-tile: in the
+ * float32 form where `wide` holds the rows widened, else with VDPBF16PS on the bf16 rows. */
 static inline __attribute__((always_inline)) void rows_through_panel(
         WidenedRows wide, const uint16_t *x, int64_t x_stride, const uint16_t *panel, int64_t pairs,
         int64_t m_rows, float *y, int64_t y_stride, int C, int last_cols) {
     for (int64_t row = 0; row < m_rows; row += MICRO_TILE_ROWS) {
         const int R = m_rows - row < MICRO_TILE_ROWS ? (int)(m_rows - row) : MICRO_TILE_ROWS;
-        const float *x_wide = widened_rows_at(wide, x, x_stride, row, R, 2 * pairs);
+        const float *x_wide =
+            wide.data ? widened_rows_at(wide, x, x_stride, row, R, 2 * pairs) : NULL;
         MicroTileSums acc;
-#define SUMS(R_)                                                      \
-        wide_tile_sums(x_wide, panel, NULL, pairs, R_, C, acc);       \
+#define SUMS(R_)                                                                          \
+        if (x_wide)                                                                       \
+            wide_tile_sums(x_wide, panel, NULL, pairs, R_, C, acc);                       \
+        else                                                                              \
+            bf16_tile_sums(x + row * x_stride, x_stride, panel, NULL, pairs, R_, C, acc); \
         store_sums(acc, y + row * y_stride, y_stride, R_, C, last_cols)
         switch (R) { /* constant R: the sums stay in registers */
         case 1: SUMS(1); break;
@@ -285,18 +294,21 @@ static void rows_through_block(WidenedRows wide, const uint16_t *x, int64_t x_st
     rows_through_panel(wide, x, x_stride, panel, pairs, m_rows, y, y_stride, 1, last_cols);
 }
 
-/* bf16_tiles_team's contract, in the float32 form, with tiles of PANEL_ROWS weight rows decoded
- * to bf16 (16 rows at a time through a row buffer in L1) and packed into the dense GEMM's
- * layout, then every activation row run through them by its micro-tiles: the dense GEMM's
- * arithmetic on the dequantized weight, so the same sums, with the weight read as stored. */
+/* bf16_tiles_team's contract with tiles of PANEL_ROWS weight rows decoded to bf16 (16 rows at
+ * a time through a row buffer in L1) and packed into the dense GEMM's layout, then every
+ * activation row run through them by its micro-tiles, in the float32 form where `widen`: the
+ * dense GEMM's arithmetic on the dequantized weight, so the same sums, with the weight read
+ * as stored. */
 static int panel_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
                             int64_t n_rows, int64_t k, const uint16_t *x, int64_t x_stride,
-                            int64_t m_rows, float *y, int64_t y_stride, int round_to_bf16) {
+                            int64_t m_rows, float *y, int64_t y_stride, int round_to_bf16,
+                            int widen) {
     const int64_t pairs = k / 2, panel_elems = pairs * GEMM_PAIR_ELEMS;
     uint16_t *rows16 = aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * k));
     uint16_t *panel = aligned_alloc(64, sizeof(uint16_t) * (size_t)(PANEL_ROWS * k));
-    const WidenedRows wide = widened_rows_new(x, x_stride, m_rows, k);
-    const int ok = rows16 != NULL && panel != NULL && wide.data != NULL;
+    const WidenedRows wide = widen ? widened_rows_new(x, x_stride, m_rows, k)
+                                   : (WidenedRows){NULL, 0};
+    const int ok = rows16 != NULL && panel != NULL && (!widen || wide.data != NULL);
 #pragma omp for schedule(static)
     for (int64_t first = 0; first < n_rows; first += PANEL_ROWS) {
         if (!ok) continue;
@@ -352,9 +364,9 @@ static int bf16_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const 
                               y_stride, round_to_bf16);
 #endif
     const int form = gguf_bf16_tiles_form(-2);
-    if (form == 1 && m_rows >= panel_min_rows(k))
+    if (m_rows >= panel_min_rows(k))
         return panel_tiles_team(type, w, row_bytes, row_map, n_rows, k, x, x_stride, m_rows, y,
-                                y_stride, round_to_bf16);
+                                y_stride, round_to_bf16, form == 1);
     const int whole_tile_in_l1 = BF16_TILE_ROWS * k * (int64_t)sizeof(uint16_t) <= TILE_L1_BYTES;
     uint16_t *tile = aligned_alloc(64, sizeof(uint16_t) * (size_t)(BF16_TILE_ROWS * k + 32));
     const int ok = tile != NULL, wide = gguf_bf16_tiles_form(-2) == 1;

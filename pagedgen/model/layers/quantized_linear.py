@@ -12,9 +12,9 @@ Three kernels, chosen by the number of rows (bench/bench_gguf_gemm.py measures t
    blocks decoded in registers);
  - bf16 activations from tiles_min_rows() rows on, where the library has AVX-512 BF16: the
    bf16 tile GEMM (a few weight rows decoded to bf16 in cache, then run against every row),
-   which computes what the dequantized bf16 path computes (in its float32 form, from a few
-   dozen rows on, with the dense GEMM's own micro-tiles; in the amx_bf16 library, with the
-   dense AMX GEMM's own tile products);
+   which computes what the dequantized bf16 path computes (from a few dozen rows on, with the
+   dense GEMM's own micro-tiles; in the amx_bf16 library, with the dense AMX GEMM's own tile
+   products);
  - from dequantize_min_rows() on: the weight dequantized to bf16 for the call and the dense
    GEMM, whose blocking wins on many rows.
 Batch-invariant mode keeps the int8 kernels at every row count, so that a row's result does not
@@ -55,10 +55,10 @@ AMX_TILES_MIN_ROWS = 6
 AMX_TILES_MIN_ROWS_K_QUANTS = 8
 K_QUANTS = frozenset({12, 13, 14})  # ggml's Q4_K, Q5_K, Q6_K
 DEQUANTIZE_MIN_ROWS = 64  # without bf16 tiles: int8 kernels below, dequantize + GEMM from here
-DEQUANTIZE_MIN_ROWS_AFTER_TILES = 192  # with them: the tiles below, dequantize + GEMM from here
-# The tiles' float32 form runs the dense GEMM's own micro-tiles on weight panels decoded per
-# tile: dequantize + GEMM measured no faster up to the dense GEMM's row limit.
-DEQUANTIZE_MIN_ROWS_AFTER_FLOAT32_TILES = AVX512_MAX_ROWS + 1
+# From a few dozen rows the tiles run the dense GEMM's own micro-tiles on weight panels
+# decoded per tile: dequantize + GEMM, which writes the whole weight to fresh memory first,
+# measured no faster up to the dense GEMM's row limit (in either form).
+DEQUANTIZE_MIN_ROWS_AFTER_PANELS = AVX512_MAX_ROWS + 1
 # The AMX tiles decode the weight once per chunk of rows; from about here decoding it once
 # for the call and running the dense AMX GEMM is as fast or faster.
 DEQUANTIZE_MIN_ROWS_AFTER_AMX_TILES = 1024
@@ -74,14 +74,11 @@ def tiles_min_rows(library: gguf_kernels.GgufLibrary, tensor_types) -> int:
 
 
 def dequantize_min_rows(library: gguf_kernels.GgufLibrary) -> int:
-    """Rows from which dequantize + dense GEMM beats the packed kernels of this library (in
-    the tiles' form now in use)."""
+    """Rows from which dequantize + dense GEMM beats the packed kernels of this library."""
     if library.path == "amx_bf16":
         return DEQUANTIZE_MIN_ROWS_AFTER_AMX_TILES
     if gguf_kernels.has_bf16_tiles(library):
-        if gguf_kernels.tiles_form(library) == 1:
-            return DEQUANTIZE_MIN_ROWS_AFTER_FLOAT32_TILES
-        return DEQUANTIZE_MIN_ROWS_AFTER_TILES
+        return DEQUANTIZE_MIN_ROWS_AFTER_PANELS
     return DEQUANTIZE_MIN_ROWS
 
 
