@@ -354,6 +354,12 @@ static void write_rows(const Chunk *c, int head, int64_t row0, int64_t rows, con
     }
 }
 
+/* The step (of KEYS keys) holding the first key a row at position pos sees: its window's
+ * start, 0 without a window. Later rows start no earlier. */
+static inline int64_t window_first_step(int64_t pos, int window) {
+    return window > 0 && pos >= window ? (pos - window + 1) / KEYS : 0;
+}
+
 /* 16 query rows (from `row0`) of query heads first_head .. + heads_per_item (one kv head's). */
 ALWAYS_INLINE void attend_item(const Chunk *c, int first_head, int64_t row0, Scratch *s, int D,
                                int codes, int wide) {
@@ -370,10 +376,9 @@ ALWAYS_INLINE void attend_item(const Chunk *c, int first_head, int64_t row0, Scr
         s->max[h] = _mm512_set1_ps(-FLT_MAX); /* replaced by each row's first seen key */
         s->sum[h] = _mm512_setzero_ps();
     }
-    /* the first key of row 0's window, down to a step's start (c->v_packed's steps; the keys
-     * before the window are masked): nothing before it is read */
-    const int64_t first_key =
-        c->window > 0 && first_pos >= c->window ? (first_pos - c->window + 1) / KEYS * KEYS : 0;
+    /* nothing before row 0's window is read (from its step's start: the keys before the
+     * window are masked) */
+    const int64_t first_key = window_first_step(first_pos, c->window) * KEYS;
     const uint16_t *k_rows[KEYS], *v_rows[KEYS];
     for (int64_t key0 = first_key; key0 <= last_key; key0 += KEYS) {
         key_rows(c, key0, kv, s, k_rows, v_rows, D, codes);
@@ -469,12 +474,6 @@ int prefill_attention_avx512_supported(int num_q_heads, int num_kv_heads, int he
  * are widened or decoded per item), nor beyond PACKED_LIMIT bytes (then per item, as before). */
 #define PACKED_LIMIT ((int64_t)256 << 20)
 
-/* The first step any row of the chunk sees: the start of its first row's window, if any. */
-static int64_t first_step_seen(const Chunk *c) {
-    const int64_t first_pos = c->context_len - c->q_len;
-    return c->window > 0 && first_pos >= c->window ? (first_pos - c->window + 1) / KEYS : 0;
-}
-
 static int64_t packed_units(const Chunk *c) {
     return ((c->context_len + KEYS - 1) / KEYS - c->packed_from) * c->num_kv_heads;
 }
@@ -512,7 +511,7 @@ static int attend_chunk(Chunk c, int num_threads) {
                                       threads);
     const int parts = c.num_q_heads / c.heads_per_item; /* head sets across all kv heads */
     const int64_t items = row_blocks * parts;
-    c.packed_from = first_step_seen(&c);
+    c.packed_from = window_first_step(c.context_len - c.q_len, c.window); /* row 0's */
     const int64_t packed_bytes = packed_units(&c) * KEYS * c.head_dim * 2;
     uint32_t *v_packed = NULL;
     if (!c.wide && !c.codes && items >= 2 * (int64_t)c.num_kv_heads &&
