@@ -194,23 +194,27 @@ def test_amx_tiles_are_the_dense_amx_gemm_on_the_rounded_weights_bit_for_bit(kin
     """The AMX tiles run the dense AMX GEMM's own column pairs on weight panels decoded per
     call: the dense AMX GEMM on the dequantized bf16 weight gives the same float32 sums, so
     the same bits once rounded to bf16. Whole and partial 16-row blocks, weights of whole and
-    partial 32-row panels (the dense GEMM takes widths of whole 16-column blocks)."""
+    partial 32-row panels (the dense GEMM takes widths of whole 16-column blocks); several
+    panels per thread (each decoded while the one before it is multiplied), several chunks of
+    activation rows, and rows long enough to take one panel buffer instead of two."""
     from pagedgen.kernels.cpu import native
 
     if not build.cpu_supports("amx_bf16") or native.gemm_kind() != "amx":
         pytest.skip("needs the AMX tiles and the dense AMX GEMM")
     library = kernels.load_path("amx_bf16")
-    check_tiles_are_the_dense_gemm(library, kind, native.amx_linear,
-                                   np.random.default_rng(400 + int(kind)),
-                                   ((64, 32), (96, 17), (48, 64), (160, 5), (32, 1)))
+    rng = np.random.default_rng(400 + int(kind))
+    check_tiles_are_the_dense_gemm(library, kind, native.amx_linear, rng,
+                                   ((64, 32), (96, 17), (48, 64), (160, 5), (32, 1), (224, 40),
+                                    (64, 1030)))
+    check_tiles_are_the_dense_gemm(library, kind, native.amx_linear, rng, ((96, 20),), k=4608)
 
 
-def check_tiles_are_the_dense_gemm(library, kind: T, dense_linear, rng, shapes) -> None:
-    """For each (N, M), K = 512: the tiles' output rounded to bf16 is dense_linear's bf16
-    output on the dequantized bf16 weight, bit for bit."""
+def check_tiles_are_the_dense_gemm(library, kind: T, dense_linear, rng, shapes,
+                                   k: int = 512) -> None:
+    """For each (N, M): the tiles' output rounded to bf16 is dense_linear's bf16 output on the
+    dequantized bf16 weight, bit for bit."""
     from pagedgen.kernels.cpu import native
 
-    k = 512
     for n, m in shapes:
         blocks = random_blocks(kind, n, k, rng)
         x = activations(m, k, rng, torch.bfloat16)

@@ -1,7 +1,8 @@
 /* The AMX product of a pair of packed 16-column weight blocks with one or two 16-row blocks of
- * bf16 rows: the inner step of the skinny AMX GEMM (gemm_amx.c), shared with the GGUF library's
- * AMX tiles (gguf/gguf_amx_tiles.c), which run it on weight rows decoded per panel. The caller
- * configured the tiles (configure_full_tiles) and has the process's AMX permission.
+ * bf16 rows: the inner step of the skinny AMX GEMM (gemm_amx.c). The GGUF library's AMX tiles
+ * (gguf/gguf_amx_tiles.c) take the same products in the same order along K in a loop of their
+ * own, which decodes the next weight panel between steps. The caller configured the tiles
+ * (configure_full_tiles) and has the process's AMX permission.
  */
 #ifndef PAGEDGEN_CPU_AMX_COLUMN_PAIR_H
 #define PAGEDGEN_CPU_AMX_COLUMN_PAIR_H

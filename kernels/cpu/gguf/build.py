@@ -28,7 +28,7 @@ INCLUDED = tuple(Path(__file__).with_name(name)
                  for name in ("gguf_registers.c", "gguf_avx512.c", "gguf_avx2.c",
                               "gguf_bf16_tiles.c", "gguf_amx_tiles.c")) + tuple(
     Path(__file__).parent.parent / name
-    for name in ("x86_common.h", "gemm_common.h", "gemm_micro_tiles.h", "amx_column_pair.h"))
+    for name in ("x86_common.h", "gemm_common.h", "gemm_micro_tiles.h"))
 COMMON_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-strict-aliasing"]
 # Path name -> its own target flags; the number is the path's id for gguf_cpu_supports().
 PATH_FLAGS = {

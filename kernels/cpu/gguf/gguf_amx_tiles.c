@@ -3,9 +3,9 @@
  * Why: where the CPU has AMX, the dequantized bf16 path multiplies on the tile unit
  * (gemm_amx.c) and the AVX-512 tiles, VDPBF16PS or float32 FMAs, fell several times behind it
  * from a few rows on (bench/GGUF_FIGURES.md). Here each panel of 32 weight rows is decoded
- * to bf16 (decode_row_values: gguf's own float32 values rounded to nearest even, exactly what
- * the dequantized path holds) and multiplied on the tile unit by the dense AMX GEMM's own
- * column_pair (amx_column_pair.h).
+ * to bf16 (decode_run_values: gguf's own float32 values rounded to nearest even, exactly what
+ * the dequantized path holds) and multiplied on the tile unit with the dense AMX GEMM's
+ * products (column_pair's, amx_column_pair.h), while the vector units decode the next panel.
  *
  * The operands swap roles: the decoded weight rows are the row operand, read in place with a
  * tile load's stride, and the activations, packed once per call into the VNNI layout
@@ -15,9 +15,17 @@
  * (w_even x_even + w_odd x_odd, in the same order along K), so the sums are the dense AMX
  * GEMM's on the dequantized weight, bit for bit.
  */
-#include "../amx_column_pair.h"
+#include "../gemm_common.h"
 
 #define AMX_PANEL_ROWS 32 /* weight rows per panel: column_pair's two 16-row blocks */
+
+/* Elements from one panel row to the next: k and one cache line more. A tile load reads 16
+ * rows at this stride; at k's own (4 KB for k = 2048) all 16 lines fall in one L1 set, more
+ * than its ways, so each load evicted the last one's lines and the panel was read from L2. */
+#ifndef AMX_PANEL_PAD
+#define AMX_PANEL_PAD 32
+#endif
+static inline int64_t panel_stride(int64_t k) { return k + AMX_PANEL_PAD; }
 
 /* Activation rows per chunk: every panel runs past a chunk of x's rows before the next chunk,
  * so the chunk is read from L2 (2 MB per core on AMX Xeons) rather than from L3 once per panel
@@ -54,21 +62,58 @@ static void pack_amx_rows(const uint16_t *x, int64_t x_stride, int64_t first_row
     }
 }
 
-/* Decodes weight rows [first, first + AMX_PANEL_ROWS) into panel ([32, k] bf16), the last row
- * standing in for rows past n_rows, the next panel's rows fetched into L2 meanwhile. */
-static void decode_amx_panel(int type, const uint8_t *w, int64_t row_bytes,
-                             const int64_t *row_map, int64_t n_rows, int64_t first, int64_t k,
-                             uint16_t *panel) {
-    for (int r = 0; r < AMX_PANEL_ROWS; r++) {
-        const int64_t at = first + r < n_rows ? first + r : n_rows - 1;
-        decode_row_values(type, weight_row(w, row_bytes, row_map, at), k, panel + r * k, 1);
-        if (at + AMX_PANEL_ROWS < n_rows) {
-            const char *next = (const char *)weight_row(w, row_bytes, row_map,
-                                                        at + AMX_PANEL_ROWS);
-            for (int64_t line = 0; line < row_bytes; line += 64)
-                _mm_prefetch(next + line, _MM_HINT_T1);
+/* A panel of AMX_PANEL_ROWS weight rows, [32, k] bf16, decoded a few stored blocks at a time,
+ * so that the decode can be spread over the previous panel's tile products: the decode runs on
+ * the vector units and the products on the tile unit, and interleaved they overlap where, one
+ * after the other, they took turns. The last weight row stands in for rows past n_rows. */
+typedef struct {
+    int type;
+    const uint8_t *w;
+    int64_t row_bytes;
+    const int64_t *row_map;
+    int64_t n_rows, first, k;
+    uint16_t *panel;
+    int64_t per_row;  /* stored blocks per row */
+    int row;          /* the next stored block to decode: its row, and its place in the row */
+    int64_t stored;
+    int64_t credit;   /* decode_paced's pacing */
+} PanelDecode;
+
+static PanelDecode panel_decode(int type, const uint8_t *w, int64_t row_bytes,
+                                const int64_t *row_map, int64_t n_rows, int64_t first, int64_t k,
+                                uint16_t *panel) {
+    return (PanelDecode){type, w, row_bytes, row_map, n_rows, first, k, panel,
+                         k / block_values(type), 0, 0, 0};
+}
+
+/* The next `count` stored blocks (in row order); as a row starts, the same row of the panel
+ * after this one is fetched into L2, so that it arrives from memory by the time it is decoded. */
+static void decode_stored(PanelDecode *d, int64_t count) {
+    while (count > 0 && d->row < AMX_PANEL_ROWS) {
+        const int64_t at = d->first + d->row < d->n_rows ? d->first + d->row : d->n_rows - 1;
+        if (d->stored == 0 && at + AMX_PANEL_ROWS < d->n_rows) {
+            const char *ahead = (const char *)weight_row(d->w, d->row_bytes, d->row_map,
+                                                         at + AMX_PANEL_ROWS);
+            for (int64_t line = 0; line < d->row_bytes; line += 64)
+                _mm_prefetch(ahead + line, _MM_HINT_T1);
         }
+        const int64_t to = d->stored + count < d->per_row ? d->stored + count : d->per_row;
+        decode_run_values(d->type, weight_row(d->w, d->row_bytes, d->row_map, at), d->stored, to,
+                          d->panel + d->row * panel_stride(d->k), 1);
+        count -= to - d->stored;
+        d->stored = to;
+        if (d->stored == d->per_row) d->stored = 0, d->row++;
     }
+}
+
+static void decode_rest(PanelDecode *d) { decode_stored(d, AMX_PANEL_ROWS * d->per_row); }
+
+/* One step of `steps` over which the whole panel is to be decoded: its stored blocks / steps,
+ * the remainder spread evenly (no division per step). */
+static inline void decode_paced(PanelDecode *d, int64_t steps) {
+    int64_t due = 0;
+    for (d->credit += AMX_PANEL_ROWS * d->per_row; d->credit >= steps; d->credit -= steps) due++;
+    if (due) decode_stored(d, due);
 }
 
 /* One product tile, sums[weight row][activation row], into y transposed: `rows` activation
@@ -85,37 +130,54 @@ static void store_transposed(float sums[16][16], int rows, int cols, float *y, i
     }
 }
 
-/* column_pair with one paired block: the panel's two weight blocks against one packed block
- * of activations, into acc[0] and acc[2] (column_pair's places for it). A step of at most 16
- * rows, and an odd block count's last block, would otherwise pay a product with zeros. */
-static inline void panel_times_block(const uint16_t *panel, int64_t k, const uint16_t *block,
-                                     float (*acc)[16][16]) {
+/* The panel's two 16-row weight blocks against one or two packed 16-row blocks of activations
+ * (column_pair's products, in its places: acc[2 * weight block + activation block]), the next
+ * panel's decode advanced after each step along K. One block: a step of at most 16 rows, or an
+ * odd block count's last block, pays no product with zeros. Each sum takes its products in the
+ * same order along K as column_pair's, so the same bits. */
+static inline __attribute__((always_inline)) void panel_times_blocks(
+        const uint16_t *panel, int64_t k, const uint16_t *packed, int blocks,
+        float (*acc)[16][16], PanelDecode *next, int64_t steps) {
+    const int64_t kblocks = k / 32;
     _tile_zero(0);
     _tile_zero(2);
-    for (int64_t kb = 0; kb < k / 32; kb++) {
-        _tile_loadd(6, block + kb * GEMM_TILE_ELEMS, 64);
-        _tile_loadd(4, panel + kb * 32, k * 2);
+    if (blocks > 1) {
+        _tile_zero(1);
+        _tile_zero(3);
+    }
+    for (int64_t kb = 0; kb < kblocks; kb++) {
+        _tile_loadd(6, packed + kb * GEMM_TILE_ELEMS, 64);
+        if (blocks > 1) _tile_loadd(7, packed + (kblocks + kb) * GEMM_TILE_ELEMS, 64);
+        _tile_loadd(4, panel + kb * 32, panel_stride(k) * 2);
         _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(5, panel + 16 * k + kb * 32, k * 2);
+        if (blocks > 1) _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, panel + 16 * panel_stride(k) + kb * 32, panel_stride(k) * 2);
         _tile_dpbf16ps(2, 5, 6);
+        if (blocks > 1) _tile_dpbf16ps(3, 5, 7);
+        if (next) decode_paced(next, steps);
     }
     _tile_stored(0, acc[0], 64);
     _tile_stored(2, acc[2], 64);
+    if (blocks > 1) {
+        _tile_stored(1, acc[1], 64);
+        _tile_stored(3, acc[3], 64);
+    }
 }
 
 /* A decoded panel against a packed chunk of `rows` activation rows: y's rows [0, rows) and
- * columns [0, cols). */
+ * columns [0, cols); meanwhile the next panel (where there is one) is decoded whole. */
 static void panel_through_rows(const uint16_t *panel, const uint16_t *packed, int64_t rows,
                                int64_t k, int cols, float *y, int64_t y_stride,
-                               int round_to_bf16) {
-    float acc[4][16][16]; /* acc[2 * weight block + activation block] */
+                               int round_to_bf16, PanelDecode *next) {
+    float acc[4][16][16];
     const int64_t kblocks = k / 32, blocks = (rows + 15) / 16;
+    const int64_t steps = (blocks + 1) / 2 * kblocks;
     for (int64_t b = 0; b < blocks; b += 2) {
+        const uint16_t *pair = packed + b * kblocks * GEMM_TILE_ELEMS;
         if (b + 1 < blocks)
-            column_pair(panel, k * 2, kblocks, packed + b * kblocks * GEMM_TILE_ELEMS, NULL, acc,
-                        2);
+            panel_times_blocks(panel, k, pair, 2, acc, next, steps);
         else
-            panel_times_block(panel, k, packed + b * kblocks * GEMM_TILE_ELEMS, acc);
+            panel_times_blocks(panel, k, pair, 1, acc, next, steps);
         for (int a = 0; a < 2 && b + a < blocks; a++) {
             const int64_t row = 16 * (b + a);
             const int in_block = rows - row < 16 ? (int)(rows - row) : 16;
@@ -125,37 +187,58 @@ static void panel_through_rows(const uint16_t *panel, const uint16_t *packed, in
                                  y + row * y_stride + 16 * wb, y_stride, round_to_bf16);
         }
     }
+    if (next) decode_rest(next); /* a guard: the pacing has decoded every row by now */
 }
 
+/* Rows of at most this length take two panel buffers, one multiplied while the next is decoded;
+ * longer ones one panel, decoded and then multiplied: two panels of a down projection's K =
+ * 8192 (1 MB) beside its activations outgrow the 2 MB L2, and the overlap measured slower
+ * there (bench/GGUF_FIGURES.md). */
+#ifndef AMX_OVERLAP_MAX_K
+#define AMX_OVERLAP_MAX_K 4096
+#endif
+
 /* bf16_tiles_team's contract on AMX. Returns 0 where this thread could not allocate its
- * buffers (its panels are skipped). Every thread packs each chunk for itself: a chunk is a
- * small fraction of the weight's bytes, and so no barrier is needed between chunks. */
+ * buffers (its panels are skipped). Each thread takes a contiguous run of panels (as a static
+ * schedule would). Every thread packs each chunk for itself: a chunk is a small fraction of
+ * the weight's bytes, and so no barrier is needed between chunks. */
 static int amx_tiles_team(int type, const uint8_t *w, int64_t row_bytes, const int64_t *row_map,
                           int64_t n_rows, int64_t k, const uint16_t *x, int64_t x_stride,
                           int64_t m_rows, float *y, int64_t y_stride, int round_to_bf16) {
     const int64_t chunk = m_rows < amx_chunk_rows(k) ? m_rows : amx_chunk_rows(k);
     const int64_t chunk_blocks = (chunk + 15) / 16;
-    uint16_t *panel = aligned_alloc(64, sizeof(uint16_t) * (size_t)(AMX_PANEL_ROWS * k));
+    const int64_t panels = (n_rows + AMX_PANEL_ROWS - 1) / AMX_PANEL_ROWS;
+    const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
+    const int64_t begin = panels * thread / threads, end = panels * (thread + 1) / threads;
+    const int overlap = k <= AMX_OVERLAP_MAX_K;
+    const size_t panel_elems = (size_t)(AMX_PANEL_ROWS * panel_stride(k));
+    uint16_t *buffers = aligned_alloc(64, sizeof(uint16_t) * (overlap ? 2 : 1) * panel_elems);
     uint16_t *rows16 = aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * k));
     uint16_t *packed = aligned_alloc(64, sizeof(uint16_t) * (size_t)(chunk_blocks * 16 * k));
-    const int ok = panel != NULL && rows16 != NULL && packed != NULL;
+    const int ok = buffers != NULL && rows16 != NULL && packed != NULL;
     configure_full_tiles();
-    for (int64_t first_row = 0; first_row < m_rows; first_row += chunk) {
+    for (int64_t first_row = 0; ok && begin < end && first_row < m_rows; first_row += chunk) {
         const int64_t rows = m_rows - first_row < chunk ? m_rows - first_row : chunk;
-        if (ok) pack_amx_rows(x, x_stride, first_row, rows, k, rows16, packed);
-        /* the same panels for every thread in every chunk: no barrier between chunks */
-#pragma omp for schedule(static) nowait
-        for (int64_t first = 0; first < n_rows; first += AMX_PANEL_ROWS) {
-            if (!ok) continue;
+        pack_amx_rows(x, x_stride, first_row, rows, k, rows16, packed);
+        for (int64_t p = begin; p < end; p++) {
+            uint16_t *panel = buffers + (overlap ? (size_t)((p - begin) & 1) * panel_elems : 0);
+            if (p == begin || !overlap) {  /* else decoded during the previous panel */
+                PanelDecode whole = panel_decode(type, w, row_bytes, row_map, n_rows,
+                                                 p * AMX_PANEL_ROWS, k, panel);
+                decode_rest(&whole);
+            }
+            PanelDecode next = panel_decode(type, w, row_bytes, row_map, n_rows,
+                                            (p + 1) * AMX_PANEL_ROWS, k,
+                                            buffers + (size_t)((p - begin + 1) & 1) * panel_elems);
+            const int64_t first = p * AMX_PANEL_ROWS;
             const int cols = (int)(n_rows - first < AMX_PANEL_ROWS ? n_rows - first
                                                                     : AMX_PANEL_ROWS);
-            decode_amx_panel(type, w, row_bytes, row_map, n_rows, first, k, panel);
             panel_through_rows(panel, packed, rows, k, cols, y + first_row * y_stride + first,
-                               y_stride, round_to_bf16);
+                               y_stride, round_to_bf16, overlap && p + 1 < end ? &next : NULL);
         }
     }
     _tile_release();
-    free(panel);
+    free(buffers);
     free(rows16);
     free(packed);
 #pragma omp barrier

@@ -308,7 +308,7 @@ static inline void store_values16(__m256i codes, __m256 scale, __m256 offset, vo
     }
 }
 
-/* 32 int16 codes -> scale * code + offset at out[at..at+32) in float32 or bf16 (decode_row_values
+/* 32 int16 codes -> scale * code + offset at out[at..at+32) in float32 or bf16 (decode_run_values
  * in gguf_registers.c says why this gives gguf's values bit for bit). */
 static inline void store_block_values(Block16x2 codes, float scale_value, float offset_value,
                                       void *out, int out_bf16, int64_t at) {

@@ -269,7 +269,7 @@ static inline __m256i round_to_bf16(__m512 values) {
 #endif
 }
 
-/* 32 int16 codes -> scale * code + offset at out[at..at+32) in float32 or bf16 (decode_row_values
+/* 32 int16 codes -> scale * code + offset at out[at..at+32) in float32 or bf16 (decode_run_values
  * in gguf_registers.c says why this gives gguf's values bit for bit). */
 static inline void store_values32(__m512 low, __m512 high, void *out, int out_bf16, int64_t at) {
     if (out_bf16) {

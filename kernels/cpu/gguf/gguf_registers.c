@@ -137,19 +137,20 @@ static inline void block_scales(int type, const uint8_t *b, float scale[8], floa
     }
 }
 
-/* One weight row of k values as float32 or bf16 at out[0..k). Always inlined into a switch
- * over the types, so that decode_block's type is a constant. */
-static inline __attribute__((always_inline)) void decode_row_typed(int type, const uint8_t *row,
-                                                                   int64_t k, void *out,
-                                                                   int out_bf16) {
+/* Stored blocks [from, to) of one weight row (32 values each, 256 for the K-quants) as float32
+ * or bf16 at their places in out (out is the row's start). Always inlined into a switch over
+ * the types, so that decode_block's type is a constant. */
+static inline __attribute__((always_inline)) void decode_run_typed(int type, const uint8_t *row,
+                                                                   int64_t from, int64_t to,
+                                                                   void *out, int out_bf16) {
     const int per = type >= T_Q4_K ? 8 : 1, size = block_bytes(type);
     if (type == T_Q8_0) {
-        for (int64_t stored = 0; stored < k / 32; stored++)
+        for (int64_t stored = from; stored < to; stored++)
             store_q8_0_values(row + stored * size + 2, half_to_float(row + stored * size), out,
                               out_bf16, stored * 32);
         return;
     }
-    for (int64_t stored = 0; stored < k / (32 * per); stored++) {
+    for (int64_t stored = from; stored < to; stored++) {
         const uint8_t *b = row + stored * size;
         float scale[8], offset[8];
         block_scales(type, b, scale, offset);
@@ -162,23 +163,29 @@ static inline __attribute__((always_inline)) void decode_row_typed(int type, con
     }
 }
 
-/* One weight row as values: what gguf.quants.dequantize gives, in float32 or rounded to bf16
- * (nearest even, as torch rounds). Every value is one float32 rounding of the same exact
- * expression gguf evaluates: a code times its scale is exact in float32 (an fp16 d times a
- * 6-bit scale times a code of at most 5 bits, or Q8_0's d times a byte), so gguf's product and
- * sum round once, as the FMA does; Q6_K's d x (int8 scale x code) may need 25 bits and is
- * rounded once in both. Hence gguf's float32 values bit for bit. */
-static void decode_row_values(int type, const uint8_t *row, int64_t k, void *out, int out_bf16) {
+/* Stored blocks [from, to) of one weight row as values: what gguf.quants.dequantize gives, in
+ * float32 or rounded to bf16 (nearest even, as torch rounds). Every value is one float32
+ * rounding of the same exact expression gguf evaluates: a code times its scale is exact in
+ * float32 (an fp16 d times a 6-bit scale times a code of at most 5 bits, or Q8_0's d times a
+ * byte), so gguf's product and sum round once, as the FMA does; Q6_K's d x (int8 scale x code)
+ * may need 25 bits and is rounded once in both. Hence gguf's float32 values bit for bit. */
+static void decode_run_values(int type, const uint8_t *row, int64_t from, int64_t to, void *out,
+                              int out_bf16) {
     switch (type) {
-    case T_Q4_0: decode_row_typed(T_Q4_0, row, k, out, out_bf16); return;
-    case T_Q4_1: decode_row_typed(T_Q4_1, row, k, out, out_bf16); return;
-    case T_Q5_0: decode_row_typed(T_Q5_0, row, k, out, out_bf16); return;
-    case T_Q5_1: decode_row_typed(T_Q5_1, row, k, out, out_bf16); return;
-    case T_Q8_0: decode_row_typed(T_Q8_0, row, k, out, out_bf16); return;
-    case T_Q4_K: decode_row_typed(T_Q4_K, row, k, out, out_bf16); return;
-    case T_Q5_K: decode_row_typed(T_Q5_K, row, k, out, out_bf16); return;
-    case T_Q6_K: decode_row_typed(T_Q6_K, row, k, out, out_bf16); return;
+    case T_Q4_0: decode_run_typed(T_Q4_0, row, from, to, out, out_bf16); return;
+    case T_Q4_1: decode_run_typed(T_Q4_1, row, from, to, out, out_bf16); return;
+    case T_Q5_0: decode_run_typed(T_Q5_0, row, from, to, out, out_bf16); return;
+    case T_Q5_1: decode_run_typed(T_Q5_1, row, from, to, out, out_bf16); return;
+    case T_Q8_0: decode_run_typed(T_Q8_0, row, from, to, out, out_bf16); return;
+    case T_Q4_K: decode_run_typed(T_Q4_K, row, from, to, out, out_bf16); return;
+    case T_Q5_K: decode_run_typed(T_Q5_K, row, from, to, out, out_bf16); return;
+    case T_Q6_K: decode_run_typed(T_Q6_K, row, from, to, out, out_bf16); return;
     }
+}
+
+/* One weight row of k values at out[0..k) (decode_run_values says what values). */
+static void decode_row_values(int type, const uint8_t *row, int64_t k, void *out, int out_bf16) {
+    decode_run_values(type, row, 0, k / block_values(type), out, out_bf16);
 }
 
 #if defined(__AVX512BF16__)
