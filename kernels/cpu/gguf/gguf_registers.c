@@ -125,10 +125,21 @@ static inline void block_scales(int type, const uint8_t *b, float scale[8], floa
         uint8_t bytes[16];
         k4_scales_mins_bytes(b + 4, bytes);
         float d = half_to_float(b), dmin = half_to_float(b + 2);
+#if defined(__AVX512F__)
+        /* All 16 in one vector (the same one rounding each): one by one, the byte extractions,
+         * conversions and multiplies were a seventh of the bf16 decode's instructions. */
+        float both[16];
+        _mm512_storeu_ps(both, _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes))),
+            _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d), _mm512_set1_ps(-dmin))));
+        memcpy(scale, both, sizeof(float) * 8);
+        memcpy(offset, both + 8, sizeof(float) * 8);
+#else
         for (int j = 0; j < 8; j++) {
             scale[j] = d * (float)bytes[j];
             offset[j] = -dmin * (float)bytes[8 + j];
         }
+#endif
         return;
     }
     case T_Q6_K: scale[0] = half_to_float(b + 208); offset[0] = 0.0f; return;
