@@ -50,9 +50,8 @@ _INTEL = _cpu_vendor() == "GenuineIntel"
 BF16_TILES_MIN_ROWS = 8 if _INTEL else 4
 BF16_TILES_MIN_ROWS_K_QUANTS = 16 if _INTEL else 10
 # The amx_bf16 library's tiles multiply on the tile unit, so only the decode is left to pay:
-# they overtake the int8 kernels from 6 rows, 8 for K-quants (Intel Xeon with AMX).
+# they overtake the int8 kernels from 6 rows, K-quants included (Intel Xeon with AMX).
 AMX_TILES_MIN_ROWS = 6
-AMX_TILES_MIN_ROWS_K_QUANTS = 8
 K_QUANTS = frozenset({12, 13, 14})  # ggml's Q4_K, Q5_K, Q6_K
 DEQUANTIZE_MIN_ROWS = 64  # without bf16 tiles: int8 kernels below, dequantize + GEMM from here
 # From a few dozen rows the tiles run the dense GEMM's own micro-tiles on weight panels
@@ -71,9 +70,9 @@ AMX_LONG_ROWS = 4096
 def tiles_min_rows(library: gguf_kernels.GgufLibrary, tensor_types) -> int:
     """Rows from which a projection of these parts' types runs the bf16 tiles: one figure for
     the whole projection, so that the fused decode step makes the same choice as the layers."""
-    k_quants = all(tensor_type in K_QUANTS for tensor_type in tensor_types)
     if library.path == "amx_bf16":
-        return AMX_TILES_MIN_ROWS_K_QUANTS if k_quants else AMX_TILES_MIN_ROWS
+        return AMX_TILES_MIN_ROWS
+    k_quants = all(tensor_type in K_QUANTS for tensor_type in tensor_types)
     return BF16_TILES_MIN_ROWS_K_QUANTS if k_quants else BF16_TILES_MIN_ROWS
 
 
