@@ -10,6 +10,7 @@
 typedef struct {
     __m256i low, high;  /* values 0..15, 16..31 of a 32-block as int16 */
 } Block16x2;
+typedef Block16x2 DecodedBlock;  /* what decode_block gives */
 
 static inline float sum8_ps(__m256 v) {
     __m128 folded = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -323,6 +324,15 @@ static inline void store_block_values(Block16x2 codes, float scale_value, float 
 static inline void store_q8_0_values(const uint8_t *codes, float scale_value, void *out,
                                      int out_bf16, int64_t at) {
     store_block_values(decode_block(T_Q8_0, codes - 2, 0), scale_value, 0.0f, out, out_bf16, at);
+}
+
+/* A Q6_K super-block's 256 values: each sub-block's codes, already times their int8 scales in
+ * decode_block, times d. */
+static inline void store_q6_k_values(const uint8_t *b, void *out, int out_bf16, int64_t at) {
+    const float d = half_to_float(b + 208);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++)
+        store_block_values(decode_block(T_Q6_K, b, j), d, 0.0f, out, out_bf16, at + 32 * j);
 }
 
 static inline void store_block_values_typed(int type, Block16x2 codes, float scale_value,

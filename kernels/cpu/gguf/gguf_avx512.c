@@ -60,6 +60,8 @@ static void quantize_wide_row(const void *x, int bf16, int64_t base, int64_t k, 
 
 /* ---- weight blocks -> 32 signed int16 ------------------------------------------------------ */
 
+typedef __m512i DecodedBlock;  /* what decode_block gives: 32 int16 */
+
 /* 16 bytes -> their low nibbles (values 0..15), then their high nibbles (values 16..31) */
 static inline __m512i nibbles16(const uint8_t *qs) {
     __m512i bytes = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(
@@ -308,6 +310,55 @@ static inline void store_q8_0_values(const uint8_t *codes, float scale_value, vo
                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                        _mm_loadu_si128((const __m128i *)(codes + 16)))), scale, zero),
                    out, out_bf16, at);
+}
+
+/* A Q6_K super-block's 256 values at out[at..at+256). Not from decode_block's int16 codes:
+ * there each 32 values took two lane-crossing byte -> word widenings, a scale permute, an
+ * int16 multiply and two word -> dword widenings, twice the vector operations of this. Here
+ * the 6-bit codes are built as bytes, 64 per operation and within lanes, and each 16 go
+ * byte -> dword in one widening, then value = code x f - 32 f with f = d x the int8 scale of
+ * those 16 (exact in float32: an fp16 times an int8), in one FMA: its one rounding of the
+ * exact (code - 32) x f is gguf's (d x scale) x (code - 32), the same bits (zero as +0, as
+ * before). */
+static inline void store_q6_k_values(const uint8_t *b, void *out, int out_bf16, int64_t at) {
+    __attribute__((aligned(64))) float factor[16], shift[16];
+    __attribute__((aligned(64))) uint8_t codes[128];
+    const __m512 f = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))),
+        _mm512_set1_ps(half_to_float(b + 208)));
+    _mm512_store_ps(factor, f);
+    _mm512_store_ps(shift, _mm512_mul_ps(f, _mm512_set1_ps(-32.0f)));
+    /* Read back from memory: a broadcast or a widening from a load costs no shuffle, while
+     * the compiler, seeing the values in registers, would pick each out with a permute (port
+     * 5, where the widenings already queue). */
+    __asm__ volatile("" ::: "memory");
+    const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
+    /* per word: the shifts that bring qh's bits (0,1) / (2,3) resp. (4,5) / (6,7) to bits 4, 5
+     * of each byte, for the first / second 32 bytes of a 64-byte ql run */
+    const __m512i up = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(4), _mm512_set1_epi16(2));
+    const __m512i down = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_setzero_si512(),
+                                                 _mm512_set1_epi16(2));
+    for (int half = 0; half < 2; half++) {  /* values 128 half .. +128 */
+        const __m512i ql = _mm512_loadu_si512(b + 64 * half);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half)));
+        /* (A & B) | C: low bits from ql's nibbles, the top two from qh */
+        _mm512_store_si512(codes, _mm512_ternarylogic_epi32(
+            ql, low4, _mm512_and_si512(_mm512_sllv_epi16(qh, up), top2), 0xEA));
+        _mm512_store_si512(codes + 64, _mm512_ternarylogic_epi32(
+            _mm512_srli_epi16(ql, 4), low4, _mm512_and_si512(_mm512_srlv_epi16(qh, down), top2), 0xEA));
+        __asm__ volatile("" ::: "memory");
+#pragma GCC unroll 4
+        for (int pair = 0; pair < 4; pair++) {
+            __m512 v[2];
+            for (int i = 0; i < 2; i++) {
+                const int group = 2 * pair + i;  /* of 16 values: the scale's index within the half */
+                v[i] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(codes + 16 * group)))),
+                    _mm512_set1_ps(factor[8 * half + group]), _mm512_set1_ps(shift[8 * half + group]));
+            }
+            store_values32(v[0], v[1], out, out_bf16, at + 128 * half + 32 * pair);
+        }
+    }
 }
 
 /* 4- and 5-bit types to bf16 by table: a block's 16 or 32 possible values are computed (the

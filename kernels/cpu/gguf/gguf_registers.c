@@ -142,7 +142,6 @@ static inline void block_scales(int type, const uint8_t *b, float scale[8], floa
 #endif
         return;
     }
-    case T_Q6_K: scale[0] = half_to_float(b + 208); offset[0] = 0.0f; return;
     case T_Q4_1: case T_Q5_1: scale[0] = half_to_float(b); offset[0] = half_to_float(b + 2); return;
     default: scale[0] = half_to_float(b); offset[0] = 0.0f; return;
     }
@@ -161,16 +160,28 @@ static inline __attribute__((always_inline)) void decode_run_typed(int type, con
                               out_bf16, stored * 32);
         return;
     }
+    if (type == T_Q6_K) {
+        for (int64_t stored = from; stored < to; stored++)
+            store_q6_k_values(row + stored * size, out, out_bf16, stored * 256);
+        return;
+    }
     for (int64_t stored = from; stored < to; stored++) {
         const uint8_t *b = row + stored * size;
         float scale[8], offset[8];
+        DecodedBlock codes[8];
         block_scales(type, b, scale, offset);
+        /* Every code of the block before any value is stored: to the compiler a store through
+         * out may change the weight bytes, so a load after it is done again (a K-quant's two
+         * sub-blocks in the same bytes were widened twice). */
 #pragma GCC unroll 8
-        for (int j = 0; j < per; j++) {
-            int s = type == T_Q6_K ? 0 : j;  /* Q6_K's sub-block scales are in its codes */
-            store_block_values_typed(type, decode_block(type, b, j), scale[s], offset[s], out,
-                                     out_bf16, (stored * per + j) * 32);
-        }
+        for (int j = 0; j < per; j++) codes[j] = decode_block(type, b, j);
+        /* The scales read back from memory, each broadcast by its load: kept in a register,
+         * each was picked out with a permute, on the port the widenings and look-ups use. */
+        __asm__ volatile("" ::: "memory");
+#pragma GCC unroll 8
+        for (int j = 0; j < per; j++)
+            store_block_values_typed(type, codes[j], scale[j], offset[j], out, out_bf16,
+                                     (stored * per + j) * 32);
     }
 }
 
