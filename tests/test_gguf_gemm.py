@@ -34,8 +34,8 @@ from gguf.quants import dequantize
 
 from pagedgen.kernels.cpu import gguf as kernels
 from pagedgen.kernels.cpu.gguf import build
-from gguf_blocks import (drop_min, neighbour_scale, random_blocks, scales_off_by_one,
-                         swap_nibble_halves)
+from gguf_blocks import (HALF_FIELDS, drop_min, neighbour_scale, random_blocks,
+                         scales_off_by_one, swap_nibble_halves)
 
 TYPES = (T.Q8_0, T.Q4_1, T.Q5_0, T.Q4_K, T.Q6_K, T.Q4_0, T.Q5_K, T.Q5_1)
 PATHS = ("portable", "avx2", "avx512_vnni", "avx512_bf16", "amx_bf16")
@@ -343,6 +343,33 @@ def test_row_lookup_is_exactly_the_dequantized_rows(kind: T) -> None:
         got = kernels.dequantize_rows(library, int(kind), blocks, k, rows)
         np.testing.assert_array_equal(got.numpy(), expected, err_msg=path)
         got_bf16 = kernels.dequantize_rows(library, int(kind), blocks, k, rows, torch.bfloat16)
+        assert torch.equal(got_bf16, torch.from_numpy(expected).to(torch.bfloat16)), path
+
+
+# fp16 scales of every finite kind: zeros of both signs, subnormals, the extremes of the normal
+# range, negatives (random blocks have only small positive normal ones).
+SPECIAL_HALVES = np.array([0.0, -0.0, 6e-8, -3e-6, 6.1035156e-05, -6.1035156e-05, 1.0, -2.5,
+                           65504.0, -65504.0, 1e-3], dtype=np.float16)
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+def test_scales_of_every_fp16_kind_decode_exactly(kind: T) -> None:
+    """Row look-ups with zero, subnormal, extreme and negative scales and mins are gguf's values
+    bit for bit in float32 (and their bf16 rounding), on every path."""
+    rng = np.random.default_rng(5)
+    k = 512
+    blocks = random_blocks(kind, 8, k, rng)
+    view = blocks.reshape(8, k // (256 if kind in K_QUANTS else 32), -1)
+    for field in HALF_FIELDS[kind]:
+        halves = rng.choice(SPECIAL_HALVES, view.shape[:2])
+        view[:, :, field:field + 2] = halves.view(np.uint8).reshape(*view.shape[:2], 2)
+    expected = dequantize(blocks, kind)
+    for path in runnable_paths():
+        library = kernels.load_path(path)
+        got = kernels.dequantize_rows(library, int(kind), blocks, k)
+        np.testing.assert_array_equal(got.numpy(), expected, err_msg=path)
+        got_bf16 = kernels.dequantize_rows(library, int(kind), blocks, k,
+                                           value_dtype=torch.bfloat16)
         assert torch.equal(got_bf16, torch.from_numpy(expected).to(torch.bfloat16)), path
 
 
