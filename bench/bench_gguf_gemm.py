@@ -3,6 +3,12 @@ weights, per weight type and row count, and decode tok/s of the default model bo
 
     python bench/bench_gguf_gemm.py [--threads 1,2] [--rows 1,2,4,8,16,32,64,128,192,256]
                                     [--shape 3072x576] [--types Q8_0,Q4_1,...] [--decode]
+    python bench/bench_gguf_gemm.py --values [--shape 3072x2048] [--types ...]
+
+--values: only the decode of weight rows to bf16 values (what the bf16 tiles do before their
+products), ns per weight, one thread: a tile panel's 32 rows decoded over and over into one
+output row, so that the rows and the values stay in cache and the call's overhead is spread
+over thousands of rows.
 
 Per type and M: int8 kernel (the path dispatched on this CPU, printed), the bf16 tile GEMM
 (libraries with AVX-512 BF16, on the tile unit in the amx_bf16 one: bf16 activations from
@@ -92,6 +98,23 @@ def bench_type(name: str, n: int, k: int, rows: list[int], threads: int, repeats
           f"{crossover or 'none measured'}")
 
 
+def bench_values(name: str, k: int, repeats: int, library, rows: int = 32,
+                 decodes: int = 4096) -> None:
+    kind = T[name]
+    if k % gguf_kernels.BLOCK_SHAPES[int(kind)][0]:
+        print(f"{name:5} skipped: K={k} is not a whole number of its blocks")
+        return
+    blocks = random_blocks(kind, rows, k, np.random.default_rng(0))
+    row_map = torch.arange(decodes, dtype=torch.int64) % rows
+    out = torch.empty(k, dtype=torch.bfloat16)
+    call = lambda: library.library.gguf_dequantize_rows(  # noqa: E731
+        int(kind), blocks.ctypes.data, blocks.shape[1], row_map.data_ptr(), decodes, k,
+        out.data_ptr(), 1, 0, 1)
+    seconds = median_seconds(call, repeats)
+    print(f"{name:5} K={k}: {seconds / (decodes * k) * 1e9:.4f} ns per weight to bf16 "
+          f"({rows} rows in cache, 1 thread)")
+
+
 def bench_decode(threads: int, tokens: int = 32) -> None:
     from pagedgen import LLM, SamplingParams
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
@@ -117,6 +140,8 @@ def main() -> None:
     parser.add_argument("--types", default=",".join(TYPES))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--decode", action="store_true", help="also decode tok/s, default model")
+    parser.add_argument("--values", action="store_true",
+                        help="only the decode of weight rows to bf16 values, one thread")
     args = parser.parse_args()
     keep_freed_memory()  # as the engine does: fresh pages cost more than the GEMMs here
     library = gguf_kernels.best()
@@ -124,6 +149,11 @@ def main() -> None:
     print(f"{time.strftime('%Y-%m-%d')} {cpu_info().summary()}")
     print(f"GGUF kernel path: {library.path}; shape N={n} K={k}; bf16 GEMM: pagedgen's packed kernel")
     global CLOCK
+    if args.values:
+        CLOCK = time.thread_time
+        for name in args.types.split(","):
+            bench_values(name, k, args.repeats, library)
+        return
     for threads in map(int, args.threads.split(",")):
         torch.set_num_threads(threads)
         # One thread: its CPU time, which a machine shared with other jobs does not inflate
