@@ -130,7 +130,8 @@ needs_amx_prefill = pytest.mark.skipif(not _prefill_supported(),
 @pytest.mark.parametrize("q_len,context_len", [(1, 1), (5, 5), (33, 33), (100, 300), (17, 50),
                                                (300, 300), (64, 64)])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16), (4, 4, 128, 32), (8, 2, 128, 8), (12, 3, 64, 16), (8, 2, 256, 16)])
+    (9, 3, 64, 16), (4, 4, 128, 32), (8, 2, 128, 8), (12, 3, 64, 16), (8, 2, 256, 16),
+    (14, 2, 64, 16)])  # 7 query heads per kv head: more than one work item takes together
 def test_native_prefill_matches_reference(q_len, context_len, q_heads, kv_heads, head_dim,
                                           block_size):
     # A chunk of q_len queries at the end of its context (context_len > q_len: cached prefix),

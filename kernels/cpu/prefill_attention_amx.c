@@ -33,10 +33,11 @@
 #define TILE_ELEMS 512 /* 16 rows x 64 bytes of bf16 */
 #define KEYS 32        /* keys per step: two score tiles, one P tile */
 #define MAX_DIM 256 /* Gemma 3's head_dim */
+#define GROUP_HEADS 4 /* query heads of one kv head taken together (attend_rows) */
 
 /* Tile use (configure_full_tiles): 0, 1 the scores of keys 0-15 and 16-31 (of the next key
- * block while this one's softmax runs); 2, 3 the P V products of 2 x 16 dims; 4: Q (per 32
- * dims); 5: P; 6, 7: K^T or V. */
+ * block while this one's softmax runs), then with 2, 3 the P V products of 2 x 16 dims in
+ * turns; 4: Q (per 32 dims); 5: P; 6, 7: K^T or V. */
 
 typedef struct {
     const uint16_t *q, *k_cache, *v_cache;
@@ -216,76 +217,116 @@ ALWAYS_INLINE void score_tiles(const Chunk *c, int kv, uint16_t (*q)[MAX_DIM], i
     }
 }
 
-/* out = out * rescale + P V for the key block j, P in tile 5: two 16-dim products at a time
- * in tiles 2 and 3 (V tiles 6, 7), stored and added in float32. */
-ALWAYS_INLINE void add_values(const Chunk *c, int kv, int64_t j, const float *rescale,
-                              RowState *state) {
-    float pv[16][32];
-    for (int d = 0; d < c->head_dim / 16; d += 2) {
+/* P V for dims 32 r .. 32 r + 31 of key block j (P in tile 5, V tiles 6, 7) into tiles 2, 3
+ * (r even) or 0, 1 (r odd), issued without waiting for them. */
+ALWAYS_INLINE void issue_values(const Chunk *c, int kv, int64_t j, int r) {
+    const uint16_t *low = v_tile(c, kv, j, 2 * r), *high = v_tile(c, kv, j, 2 * r + 1);
+    if (r % 2 == 0) {
         _tile_zero(2);
         _tile_zero(3);
-        _tile_loadd(6, v_tile(c, kv, j, d), 64);
-        _tile_loadd(7, v_tile(c, kv, j, d + 1), 64);
+        _tile_loadd(6, low, 64);
+        _tile_loadd(7, high, 64);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(6, low, 64);
+        _tile_loadd(7, high, 64);
+        _tile_dpbf16ps(0, 5, 6);
+        _tile_dpbf16ps(1, 5, 7);
+    }
+}
+
+/* out = out * rescale + the products issue_values(r) put in its tiles, in float32. */
+ALWAYS_INLINE void add_values_of(int r, const float *rescale, RowState *state) {
+    float pv[16][32];
+    if (r % 2 == 0) {
         _tile_stored(2, pv[0], 32 * 4);
         _tile_stored(3, pv[0] + 16, 32 * 4);
-        for (int r = 0; r < 16; r++) {
-            const __m512 alpha = _mm512_set1_ps(rescale[r]);
-            for (int e = 0; e < 2; e++) {
-                float *o = state->out[r] + 16 * (d + e);
-                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), alpha,
-                                                    _mm512_loadu_ps(pv[r] + 16 * e)));
-            }
+    } else {
+        _tile_stored(0, pv[0], 32 * 4);
+        _tile_stored(1, pv[0] + 16, 32 * 4);
+    }
+    for (int row = 0; row < 16; row++) {
+        const __m512 alpha = _mm512_set1_ps(rescale[row]);
+        for (int e = 0; e < 2; e++) {
+            float *o = state->out[row] + 32 * r + 16 * e;
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), alpha,
+                                                _mm512_loadu_ps(pv[row] + 16 * e)));
         }
     }
 }
 
-/* 16 query rows (from `row0` of the chunk) of query head `head`. The tile unit computes the
- * next key block's scores (tiles 0, 1) before the softmax of this one, so that the two
+/* out = out * rescale + P V for the key block j, P in tile 5; tiles 0-3 free. Each 32 dims'
+ * products are issued before the previous 32 dims' are stored and added: storing a product
+ * right after issuing it waited for the tile unit every time. */
+ALWAYS_INLINE void add_values(const Chunk *c, int kv, int64_t j, const float *rescale,
+                              RowState *state) {
+    const int rounds = c->head_dim / 32;
+    issue_values(c, kv, j, 0);
+    for (int r = 1; r < rounds; r++) {
+        issue_values(c, kv, j, r);
+        add_values_of(r - 1, rescale, state);
+    }
+    add_values_of(rounds - 1, rescale, state);
+}
+
+/* 16 query rows (from `row0` of the chunk) of `heads` query heads from `head0`, all of one kv
+ * head. Each key block is taken by every head in turn before the next block, so that its K
+ * and V tiles come from L2 for the first head and from L1 for the others: one head at a time,
+ * walking all the keys, each tile was loaded from L2 once per head, and those loads were the
+ * largest part of the time. Steps are (key block, head) in that order; the tile unit computes
+ * the next step's scores (tiles 0, 1) before the softmax of this one, so that the two
  * overlap: in program order one after the other, every step waited on the tile unit's
  * latency and the vector units on it. */
-static void attend_rows(const Chunk *c, int head, int64_t row0, RowState *state) {
-    const int kv = head / (c->num_q_heads / c->num_kv_heads);
+static void attend_rows(const Chunk *c, int head0, int heads, int64_t row0, RowState *states) {
+    const int kv = head0 / (c->num_q_heads / c->num_kv_heads);
     const int64_t rows = c->q_len - row0 < 16 ? c->q_len - row0 : 16;
     const int64_t first_pos = c->context_len - c->q_len + row0;
-    /* the query block, zero-padded: tile loads read all 16 rows */
-    uint16_t q[16][MAX_DIM];
-    memset(q, 0, sizeof q);
-    for (int64_t r = 0; r < rows; r++)
-        memcpy(q[r], c->q + (row0 + r) * c->q_stride + (int64_t)head * c->head_dim,
-               (size_t)c->head_dim * 2);
-    for (int r = 0; r < 16; r++) {
-        state->max[r] = -FLT_MAX;
-        state->sum[r] = _mm512_setzero_ps();
-        memset(state->out[r], 0, sizeof(float) * c->head_dim);
+    /* the query blocks, zero-padded: tile loads read all 16 rows */
+    uint16_t q[GROUP_HEADS][16][MAX_DIM];
+    for (int h = 0; h < heads; h++) {
+        memset(q[h], 0, sizeof q[h]);
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(q[h][r], c->q + (row0 + r) * c->q_stride + (int64_t)(head0 + h) * c->head_dim,
+                   (size_t)c->head_dim * 2);
+        for (int r = 0; r < 16; r++) {
+            states[h].max[r] = -FLT_MAX;
+            states[h].sum[r] = _mm512_setzero_ps();
+            memset(states[h].out[r], 0, sizeof(float) * c->head_dim);
+        }
     }
     float scores[2][16][KEYS], rescale[16];
     uint16_t p[16][KEYS];
     /* from the first row's first visible key to the last row's causal limit */
     const int64_t first = window_start(c, first_pos) / KEYS, last = (first_pos + rows - 1) / KEYS;
-    score_tiles(c, kv, q, first);
+    const int64_t steps = (last - first + 1) * heads;
+    score_tiles(c, kv, q[0], first);
     _tile_stored(0, &scores[0][0][0], KEYS * 4);
     _tile_stored(1, &scores[0][0][16], KEYS * 4);
-    for (int64_t j = first; j <= last; j++) {
-        float (*now)[KEYS] = scores[(j - first) & 1], (*next)[KEYS] = scores[(j - first + 1) & 1];
-        if (j < last) score_tiles(c, kv, q, j + 1);
-        softmax_step(now, KEYS * j, first_pos, c->window, c->scale, state, p, rescale);
-        _tile_loadd(5, p, KEYS * 2);
-        add_values(c, kv, j, rescale, state);
-        if (j < last) {
+    for (int64_t step = 0; step < steps; step++) {
+        const int64_t j = first + step / heads, after = step + 1;
+        const int h = (int)(step % heads);
+        float (*now)[KEYS] = scores[step & 1], (*next)[KEYS] = scores[after & 1];
+        if (after < steps) score_tiles(c, kv, q[after % heads], first + after / heads);
+        softmax_step(now, KEYS * j, first_pos, c->window, c->scale, &states[h], p, rescale);
+        if (after < steps) {  /* tiles 0 and 1 free for the products */
             _tile_stored(0, &next[0][0], KEYS * 4);
             _tile_stored(1, &next[0][16], KEYS * 4);
         }
+        _tile_loadd(5, p, KEYS * 2);
+        add_values(c, kv, j, rescale, &states[h]);
     }
-    for (int64_t r = 0; r < rows; r++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(state->sum[r]));
-        uint16_t *dst = c->out + ((row0 + r) * c->num_q_heads + head) * c->head_dim;
-        for (int d = 0; d < c->head_dim / 16; d++)
-            _mm256_storeu_si256((__m256i *)(dst + 16 * d),
-                                (__m256i)_mm512_cvtneps_pbh(
-                                    _mm512_mul_ps(_mm512_loadu_ps(state->out[r] + 16 * d), inv)));
-    }
+    for (int h = 0; h < heads; h++)
+        for (int64_t r = 0; r < rows; r++) {
+            const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(states[h].sum[r]));
+            uint16_t *dst = c->out + ((row0 + r) * c->num_q_heads + head0 + h) * c->head_dim;
+            for (int d = 0; d < c->head_dim / 16; d++)
+                _mm256_storeu_si256((__m256i *)(dst + 16 * d),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(
+                                        _mm512_loadu_ps(states[h].out[r] + 16 * d), inv)));
+        }
 }
 
 int prefill_attention_supported(int num_q_heads, int num_kv_heads, int head_dim) {
@@ -316,7 +357,8 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
         free(c.v_tiles);
         return 1;
     }
-    const int64_t row_blocks = (q_len + 15) / 16, items = row_blocks * num_q_heads;
+    const int group = num_q_heads / num_kv_heads, parts = (group + GROUP_HEADS - 1) / GROUP_HEADS;
+    const int64_t row_blocks = (q_len + 15) / 16, items = row_blocks * num_kv_heads * parts;
     int failed = 0; /* a thread without its row state: rows left unwritten, so report it */
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
     {
@@ -326,24 +368,25 @@ int prefill_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
             pack_values(&c, (int)(item / c.key_blocks), c.first_block + item % c.key_blocks);
         }
         configure_full_tiles();
-        RowState *state = aligned_alloc(64, sizeof(RowState));
-        if (state == NULL) {
+        RowState *states = aligned_alloc(64, sizeof(RowState) * GROUP_HEADS);
+        if (states == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
         /* One kv head after another, so that the threads read its packed K/V (a few MB at
          * long contexts) from their L2 for all its query heads and rows, rather than from L3
          * for each item in turn; within one, the last query rows, which see the most keys,
-         * first. */
-        const int group = num_q_heads / num_kv_heads;
+         * first. An item: 16 rows of up to GROUP_HEADS of the kv head's query heads. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
-            const int64_t kv = item / (row_blocks * group), rest = item % (row_blocks * group);
-            if (state != NULL)
-                attend_rows(&c, (int)(kv * group + rest % group),
-                            16 * (row_blocks - 1 - rest / group), state);
+            const int64_t kv = item / (row_blocks * parts), rest = item % (row_blocks * parts);
+            const int part = (int)(rest % parts), head0 = (int)kv * group + part * GROUP_HEADS;
+            const int heads = group - part * GROUP_HEADS < GROUP_HEADS
+                                  ? group - part * GROUP_HEADS : GROUP_HEADS;
+            if (states != NULL)
+                attend_rows(&c, head0, heads, 16 * (row_blocks - 1 - rest / parts), states);
         }
-        free(state);
+        free(states);
         _tile_release();
     }
     free(c.k_tiles);
