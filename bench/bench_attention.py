@@ -6,12 +6,14 @@ median ms of each and their ratio (`--cases chunk` runs only this one). `--kv-dt
 adds the chunk over 8-bit pools of the same values (native kernel on the codes, and gather +
 dequantize + SDPA), timed round-robin with the bf16 pool's, each against bf16's native kernel.
 
-SmolLM2-135M shape: 9 query heads, 3 kv heads, head_dim 64, block size 16.
+SmolLM2-135M shape: 9 query heads, 3 kv heads, head_dim 64, block size 16; `--heads 32,8,64`
+(Llama-3.2-1B) or `--heads 4,1,256` (Gemma 3 270M) for others.
 CPU: cpu_backend (with a per-step plan, and the plan's own cost). CUDA: cpu_backend and the
 Triton kernels, with achieved K/V bandwidth (bytes of K/V read / time).
 
     python bench/bench_attention.py [--threads 1] [--iters 20] [--device cpu|cuda]
                                     [--cases all|chunk] [--kv-dtypes int8,fp8_e4m3,fp8_e5m2]
+                                    [--heads 9,3,64]
 """
 from __future__ import annotations
 
@@ -124,7 +126,8 @@ def bench_prefill_chunk(iters: int, kv_dtypes: list[str]) -> None:
         native.prefill_attention, native.prefill_attention_q8 = dispatch["bf16"], dispatch["q8"]
         native.prefill_attention_form(timed_form)
     bf16_native = ms[("auto", True)]
-    print(f"prefill chunk 512/6000, {kernel}, median of {iters} (round-robin):")
+    print(f"prefill chunk 512/6000, heads {NUM_Q_HEADS}/{NUM_KV_HEADS} x {HEAD_DIM}, {kernel}, "
+          f"median of {iters} (round-robin):")
     if ("other form", True) in ms:
         other = ms[("other form", True)]
         names = ("VDPBF16PS", "float32 FMA")
@@ -183,7 +186,11 @@ def main() -> None:
     parser.add_argument("--cases", choices=("all", "chunk"), default="all")
     parser.add_argument("--kv-dtypes", default="", help="8-bit pools for the prefill chunk too, "
                         "comma-separated (int8, fp8_e4m3, fp8_e5m2)")
+    parser.add_argument("--heads", default="9,3,64",
+                        help="query heads, kv heads, head_dim (the model's attention shape)")
     opts = parser.parse_args()
+    global NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM
+    NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = map(int, opts.heads.split(","))
     torch.set_num_threads(opts.threads)
     print(f"device={opts.device} torch threads={torch.get_num_threads()} iters={opts.iters}")
     if opts.device == "cpu":
