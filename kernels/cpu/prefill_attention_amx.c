@@ -8,7 +8,8 @@
  * sequence whose K/V (context_len tokens, the chunk's own included) are in the paged cache.
  * First K and V are packed, per kv head, into the tile unit's VNNI layout (K^T tiles of 16
  * keys x 32 dims, V tiles of 32 keys x 16 dims, zero past the context). Then each work item,
- * 16 query rows of one query head, walks the keys in blocks of 32 up to its causal limit:
+ * 16 query rows of up to 4 query heads sharing a kv head, walks the keys in blocks of 32 up to
+ * its causal limit, each block through every head in turn:
  * S = Q K^T on tiles, an online softmax in float32 (exp written out, as in the decode kernel),
  * P rounded to bf16 (as GPU flash attention does) and O += P V on tiles, O rescaled in float32.
  * A sliding window (a row at p sees keys in (p - window, p]) starts each row block at its first
