@@ -335,26 +335,30 @@ static inline void store_q6_k_values(const uint8_t *b, void *out, int out_bf16, 
     const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
     /* per word: the shifts that bring qh's bits (0,1) / (2,3) resp. (4,5) / (6,7) to bits 4, 5
      * of each byte, for the first / second 32 bytes of a 64-byte ql run */
-    const __m512i up = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(4), _mm512_set1_epi16(2));
+    const __m512i up = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(4),
+                                               _mm512_set1_epi16(2));
     const __m512i down = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_setzero_si512(),
                                                  _mm512_set1_epi16(2));
     for (int half = 0; half < 2; half++) {  /* values 128 half .. +128 */
         const __m512i ql = _mm512_loadu_si512(b + 64 * half);
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half)));
+        const __m512i qh = _mm512_broadcast_i64x4(
+            _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half)));
         /* (A & B) | C: low bits from ql's nibbles, the top two from qh */
         _mm512_store_si512(codes, _mm512_ternarylogic_epi32(
             ql, low4, _mm512_and_si512(_mm512_sllv_epi16(qh, up), top2), 0xEA));
         _mm512_store_si512(codes + 64, _mm512_ternarylogic_epi32(
-            _mm512_srli_epi16(ql, 4), low4, _mm512_and_si512(_mm512_srlv_epi16(qh, down), top2), 0xEA));
+            _mm512_srli_epi16(ql, 4), low4, _mm512_and_si512(_mm512_srlv_epi16(qh, down), top2),
+            0xEA));
         __asm__ volatile("" ::: "memory");
 #pragma GCC unroll 4
         for (int pair = 0; pair < 4; pair++) {
             __m512 v[2];
             for (int i = 0; i < 2; i++) {
-                const int group = 2 * pair + i;  /* of 16 values: the scale's index within the half */
-                v[i] = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(codes + 16 * group)))),
-                    _mm512_set1_ps(factor[8 * half + group]), _mm512_set1_ps(shift[8 * half + group]));
+                const int group = 2 * pair + i;  /* of 16 values: its scale's index in the half */
+                const __m128i bytes = _mm_load_si128((const __m128i *)(codes + 16 * group));
+                v[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)),
+                                       _mm512_set1_ps(factor[8 * half + group]),
+                                       _mm512_set1_ps(shift[8 * half + group]));
             }
             store_values32(v[0], v[1], out, out_bf16, at + 128 * half + 32 * pair);
         }

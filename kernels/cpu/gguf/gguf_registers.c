@@ -117,8 +117,8 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const Pass *p, 
 
 /* ---- weight rows -> values (row look-ups, dequantized tiles, the bf16 tile path) ---------- */
 
-/* Scales and offsets of the 32-blocks of one stored block (8 for the K-quants, else 1), such
- * that value = scale * decode_block() + offset. */
+/* Scales and offsets of the 32-blocks of one stored block (8 for Q4_K and Q5_K, else 1), such
+ * that value = scale * decode_block() + offset (Q6_K: store_q6_k_values). */
 static inline void block_scales(int type, const uint8_t *b, float scale[8], float offset[8]) {
     switch (type) {
     case T_Q4_K: case T_Q5_K: {
@@ -175,8 +175,9 @@ static inline __attribute__((always_inline)) void decode_run_typed(int type, con
          * sub-blocks in the same bytes were widened twice). */
 #pragma GCC unroll 8
         for (int j = 0; j < per; j++) codes[j] = decode_block(type, b, j);
-        /* The scales read back from memory, each broadcast by its load: kept in a register,
-         * each was picked out with a permute, on the port the widenings and look-ups use. */
+        /* Q4_K's and Q5_K's eight scales and offsets read back from memory, each broadcast by
+         * its load: kept in one register, each was picked out with a permute, on the port the
+         * widenings and look-ups use. */
         __asm__ volatile("" ::: "memory");
 #pragma GCC unroll 8
         for (int j = 0; j < per; j++)
