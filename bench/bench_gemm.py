@@ -4,16 +4,22 @@ no AMX) and F.linear on the plain weight.
 
     python bench/bench_gemm.py [--threads 1,2] [--rows 1,8,16,32,64,128,256,512] [--repeats 7]
                                [--shapes qkv,...,qkv_1b,gate_up_1b,down_1b] [--forms]
+                               [--copies 16]
 
 Shapes: SmolLM2-135M's projections (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536)
 and its LM head (49152x576). Every timing is one call as the model makes it (output allocated,
 Python wrapper included); the three run in turn within each repeat, medians reported, with
 GFLOP/s and the ratios oneDNN/ours and F.linear/ours (> 1: ours faster). The last table gives,
 per shape, the largest row count up to which ours beats both (the dispatch crossover).
+
+With one weight, a weight of a few MB stays in the last-level cache from call to call, which a
+model's step never sees (each layer has its own); --copies N cycles through N distinct copies of
+each weight, so that at 1B shapes every call reads its weight from memory as in the model.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -34,28 +40,35 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
 MIN_SAMPLE_S = 0.004  # calls per sample so that one sample lasts at least this long
 
 
+def cycled(copies: list, call):
+    """call(x, weight) as a function of x, each call on the next of the copies."""
+    turn = itertools.cycle(copies)
+    return lambda x: call(x, next(turn))
+
+
 def contenders(out_features: int, in_features: int, kind: str, forms: bool = False,
-               taken: int = 0):
+               taken: int = 0, copies: int = 1):
     """Each GEMM as a function of x; forms: the AVX-512 kernel's VDPBF16PS-only form too,
     where this CPU takes (`taken` = 1) its float32 form for many rows ("ours" is then that)."""
     gen = torch.Generator().manual_seed(0)
-    weight = (torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
-              ).to(torch.bfloat16)
-    ours_packed = native.gemm_pack(weight)
+    weights = [(torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
+                ).to(torch.bfloat16) for _ in range(copies)]
+    ours_packed = [native.gemm_pack(w) for w in weights]
     kernel = native.amx_linear if kind == "amx" else native.avx512_linear
-    onednn_packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # the model's rows hint
+    # 64: the model's rows hint
+    onednn_packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
 
     def in_form(form: int):
-        def run(x):
+        def run(x, packed):
             native.avx512_linear_form(form)
-            return kernel(x, ours_packed, out_features)
-        return run
+            return kernel(x, packed, out_features)
+        return cycled(ours_packed, run)
 
     fns = {
         "ours": in_form(taken),
-        "oneDNN": lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn_packed, None, "none",
-                                                               [], ""),
-        "F.linear": lambda x: F.linear(x, weight),
+        "oneDNN": cycled(onednn_packed, lambda x, packed: torch.ops.mkldnn._linear_pointwise(
+            x, packed, None, "none", [], "")),
+        "F.linear": cycled(weights, F.linear),
     }
     if forms and kind == "avx512" and taken == 1:
         fns["VDPBF16PS"] = in_form(0)
@@ -90,6 +103,9 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,16,32,64,128,256,512")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--copies", type=int, default=1,
+                        help="distinct copies of each weight, taken in turn (weights from "
+                             "memory, as in a model, instead of the cache)")
     parser.add_argument("--forms", action="store_true",
                         help="also the AVX-512 kernel's VDPBF16PS form where this CPU takes "
                              "its float32 form for many rows")
@@ -103,6 +119,7 @@ def main() -> None:
         wide = native.load().avx512_linear_wide_min_rows()
         kind += f" (float32 FMA form from {wide} rows: VDPBF16PS multiplies slower here)"
     print(f"{cpu_info().summary()}; our kernel: {kind}; dtype bfloat16; median of {args.repeats}; "
+          f"{args.copies} cop{'y' if args.copies == 1 else 'ies'} of each weight; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
@@ -113,7 +130,7 @@ def main() -> None:
         crossover = {}
         for name in args.shapes.split(","):
             n, k = SHAPES[name]
-            fns = contenders(n, k, native.gemm_kind(), args.forms, taken)
+            fns = contenders(n, k, native.gemm_kind(), args.forms, taken, args.copies)
             crossover[name] = 0
             for m in rows_list:
                 x = torch.randn(m, k).to(torch.bfloat16)

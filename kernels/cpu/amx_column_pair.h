@@ -24,16 +24,28 @@ static inline __attribute__((always_inline)) void prefetch_tile(const uint16_t *
 
 /* Two blocks of 16 output columns for one or two row blocks: each x tile feeds two products
  * and each weight tile two (tiles: 0-3 sums [row][column], 4-5 x, 6-7 weights), half the x
- * tile loads of gemm_amx.c's column_block per product: what bounds the time once M > 16. */
+ * tile loads of gemm_amx.c's column_block per product: what bounds the time once M > 16.
+ * `kblocks` k blocks from `panels` (the first column block's) and panels + `panel` (the
+ * second's); with `resume` the sums go on from acc (a previous run of K), else from zero. */
 static inline __attribute__((always_inline)) void column_pair(
-        const uint16_t *x, int64_t x_stride_bytes, int64_t kblocks, const uint16_t *panels,
-        const uint16_t *next_panels, float (*acc)[16][16], int ROW_BLOCKS) {
-    const int64_t block_rows = 16 * x_stride_bytes / 2, panel = kblocks * TILE_ELEMS;
-    _tile_zero(0);
-    _tile_zero(1);
-    if (ROW_BLOCKS > 1) {
-        _tile_zero(2);
-        _tile_zero(3);
+        const uint16_t *x, int64_t x_stride_bytes, int64_t kblocks, int64_t panel,
+        const uint16_t *panels, const uint16_t *next_panels, float (*acc)[16][16], int resume,
+        int ROW_BLOCKS) {
+    const int64_t block_rows = 16 * x_stride_bytes / 2;
+    if (resume) {
+        _tile_loadd(0, acc[0], 64);
+        _tile_loadd(1, acc[1], 64);
+        if (ROW_BLOCKS > 1) {
+            _tile_loadd(2, acc[2], 64);
+            _tile_loadd(3, acc[3], 64);
+        }
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (ROW_BLOCKS > 1) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
     }
     for (int64_t kb = 0; kb < kblocks; kb++) {
         _tile_loadd(6, panels + kb * TILE_ELEMS, 64);

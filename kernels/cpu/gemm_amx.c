@@ -124,23 +124,62 @@ static void store_pair_rows(float (*acc)[16][16], int64_t rows, const uint16_t *
                          bias ? bias + 16 * c : NULL, out, row + r, col + 16 * c);
 }
 
-/* M > 16: column pairs, row blocks two at a time (the pair's panels stay in L2 between). */
+/* Long K is taken in runs of this many k blocks (2,048 inputs), every column pair of the
+ * thread's share through one run before the next: with all of K at once, a row-block pair's x
+ * (16 KB a row at K = 8,192) and the pair's panels (512 KB) no longer stayed in L2 between
+ * their uses, and the GEMM ran well below both the memory and the tile unit's rate. */
+#define K_RUN_BLOCKS 64
+
+/* Each thread's sums between runs: one 16 x 16 float32 tile per row block and column block of
+ * its share, kept from call to call (a fresh allocation of a few hundred KB each call is an
+ * mmap and its page faults). */
+static __thread float *run_sums_buffer;
+static __thread size_t run_sums_bytes;
+
+static float (*run_sums(size_t bytes))[16][16] {
+    if (bytes > run_sums_bytes) {
+        free(run_sums_buffer);
+        run_sums_buffer = aligned_alloc(64, bytes);
+        run_sums_bytes = run_sums_buffer != NULL ? bytes : 0;
+    }
+    return (float (*)[16][16])run_sums_buffer;
+}
+
+/* M > 16: column pairs, row blocks two at a time (the pair's panels stay in L2 between).
+ * The run's sums are stored and loaded back exactly, so the bits do not depend on the runs. */
 static void linear_pairs(const uint16_t *x, int64_t stride_bytes, const uint16_t *packed,
                          const uint16_t *bias, GemmOut out, int64_t m, int64_t kblocks,
                          int row_blocks, int64_t first_pair, int64_t last_pair) {
-    float acc[4][16][16];
     const int64_t pair_elems = 2 * kblocks * TILE_ELEMS, x_block = 16 * stride_bytes / 2;
-    for (int64_t cp = first_pair; cp < last_pair; cp++) {
-        const uint16_t *panels = packed + cp * pair_elems;
-        const uint16_t *next = cp + 1 < last_pair ? panels + pair_elems : NULL;
-        for (int rb = 0; rb < row_blocks; rb += 2) {
-            const uint16_t *xr = x + rb * x_block;
-            if (rb + 1 < row_blocks)
-                column_pair(xr, stride_bytes, kblocks, panels, rb == 0 ? next : NULL, acc, 2);
-            else
-                column_pair(xr, stride_bytes, kblocks, panels, rb == 0 ? next : NULL, acc, 1);
-            int64_t rows = m - 16 * rb < 32 ? m - 16 * rb : 32;
-            store_pair_rows(acc, rows, bias ? bias + cp * 32 : NULL, out, 16 * rb, cp * 32);
+    const int64_t panel = kblocks * TILE_ELEMS, row_pairs = (row_blocks + 1) / 2;
+    float one_run[4][16][16] __attribute__((aligned(64)));
+    float (*sums)[16][16] = one_run;
+    int64_t run = kblocks; /* all of K at once where it is short, or without the buffer */
+    if (kblocks > K_RUN_BLOCKS) {
+        float (*kept)[16][16] = run_sums((size_t)((last_pair - first_pair) * row_pairs) * 4096);
+        if (kept != NULL) sums = kept, run = K_RUN_BLOCKS;
+    }
+    for (int64_t k0 = 0; k0 < kblocks; k0 += run) {
+        const int64_t run_blocks = kblocks - k0 < run ? kblocks - k0 : run;
+        const int last_run = k0 + run_blocks == kblocks;
+        for (int64_t cp = first_pair; cp < last_pair; cp++) {
+            const uint16_t *panels = packed + cp * pair_elems + k0 * TILE_ELEMS;
+            /* prefetched: the next pair's run, else the first pair's next run */
+            const uint16_t *next = cp + 1 < last_pair ? panels + pair_elems
+                : !last_run ? packed + first_pair * pair_elems + (k0 + run) * TILE_ELEMS : NULL;
+            for (int rb = 0; rb < row_blocks; rb += 2) {
+                const uint16_t *xr = x + rb * x_block + k0 * 32;
+                float (*acc)[16][16] =
+                    run == kblocks ? sums : sums + 4 * ((cp - first_pair) * row_pairs + rb / 2);
+                const uint16_t *ahead = rb == 0 ? next : NULL;
+                if (rb + 1 < row_blocks)
+                    column_pair(xr, stride_bytes, run_blocks, panel, panels, ahead, acc, k0 > 0, 2);
+                else
+                    column_pair(xr, stride_bytes, run_blocks, panel, panels, ahead, acc, k0 > 0, 1);
+                if (!last_run) continue;
+                int64_t rows = m - 16 * rb < 32 ? m - 16 * rb : 32;
+                store_pair_rows(acc, rows, bias ? bias + cp * 32 : NULL, out, 16 * rb, cp * 32);
+            }
         }
     }
 }
