@@ -196,7 +196,8 @@ def test_amx_tiles_are_the_dense_amx_gemm_on_the_rounded_weights_bit_for_bit(kin
     the same bits once rounded to bf16. Whole and partial 16-row blocks, weights of whole and
     partial 32-row panels (the dense GEMM takes widths of whole 16-column blocks); several
     panels per thread (each decoded while the one before it is multiplied), several chunks of
-    activation rows, and rows long enough to take one panel buffer instead of two."""
+    activation rows, and rows long enough to be taken in runs of K (a short last run), the
+    sums carried from run to run for every panel of the share."""
     from pagedgen.kernels.cpu import native
 
     if not build.cpu_supports("amx_bf16") or native.gemm_kind() != "amx":
@@ -206,7 +207,8 @@ def test_amx_tiles_are_the_dense_amx_gemm_on_the_rounded_weights_bit_for_bit(kin
     check_tiles_are_the_dense_gemm(library, kind, native.amx_linear, rng,
                                    ((64, 32), (96, 17), (48, 64), (160, 5), (32, 1), (224, 40),
                                     (64, 1030)))
-    check_tiles_are_the_dense_gemm(library, kind, native.amx_linear, rng, ((96, 20),), k=4608)
+    check_tiles_are_the_dense_gemm(library, kind, native.amx_linear, rng,
+                                   ((96, 20), (224, 40), (64, 300)), k=4608)
 
 
 def check_tiles_are_the_dense_gemm(library, kind: T, dense_linear, rng, shapes,

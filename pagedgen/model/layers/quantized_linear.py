@@ -59,12 +59,9 @@ DEQUANTIZE_MIN_ROWS = 64  # without bf16 tiles: int8 kernels below, dequantize +
 # measured no faster up to the dense GEMM's row limit (in either form).
 DEQUANTIZE_MIN_ROWS_AFTER_PANELS = AVX512_MAX_ROWS + 1
 # The AMX tiles decode the weight once per chunk of rows; from about here decoding it once
-# for the call and running the dense AMX GEMM is as fast or faster: 2,048 rows of up to
-# AMX_LONG_ROWS inputs, 512 of longer ones (a down projection's 8,192, whose chunks of
-# activations outgrow L2; bench/GGUF_FIGURES.md).
+# for the call and running the dense AMX GEMM is as fast or faster, for short rows and long
+# ones alike (a down projection's 8,192 inputs are taken in runs of K; bench/GGUF_FIGURES.md).
 DEQUANTIZE_MIN_ROWS_AFTER_AMX_TILES = 2048
-DEQUANTIZE_MIN_ROWS_AFTER_AMX_TILES_LONG_ROWS = 512
-AMX_LONG_ROWS = 4096
 
 
 def tiles_min_rows(library: gguf_kernels.GgufLibrary, tensor_types) -> int:
@@ -76,12 +73,10 @@ def tiles_min_rows(library: gguf_kernels.GgufLibrary, tensor_types) -> int:
     return BF16_TILES_MIN_ROWS_K_QUANTS if k_quants else BF16_TILES_MIN_ROWS
 
 
-def dequantize_min_rows(library: gguf_kernels.GgufLibrary, in_features: int = 0) -> int:
-    """Rows from which dequantize + dense GEMM beats the packed kernels of this library, for
-    rows of in_features inputs (0: the figure for short rows)."""
+def dequantize_min_rows(library: gguf_kernels.GgufLibrary) -> int:
+    """Rows from which dequantize + dense GEMM beats the packed kernels of this library."""
     if library.path == "amx_bf16":
-        return (DEQUANTIZE_MIN_ROWS_AFTER_AMX_TILES_LONG_ROWS if in_features > AMX_LONG_ROWS
-                else DEQUANTIZE_MIN_ROWS_AFTER_AMX_TILES)
+        return DEQUANTIZE_MIN_ROWS_AFTER_AMX_TILES
     if gguf_kernels.has_bf16_tiles(library):
         return DEQUANTIZE_MIN_ROWS_AFTER_PANELS
     return DEQUANTIZE_MIN_ROWS
@@ -130,7 +125,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     rounded_in_kernel = round_to_bf16 and bias is None
-    if rows.shape[0] >= dequantize_min_rows(weight.library, weight.in_features) \
+    if rows.shape[0] >= dequantize_min_rows(weight.library) \
             and not weight.invariant:
         out = dequantized_linear(rows.to(torch.bfloat16), weight)
     else:
