@@ -29,10 +29,11 @@ def test_amx_linear_matches_float32_sums(rows, out_features, in_features):
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [5, 33, 100])
+@pytest.mark.parametrize("rows", [5, 33, 100, 200])
 def test_amx_linear_over_long_inputs_sums_every_run_of_k(rows):
     # K = 4,192: two full runs of 2,048 inputs and a short one of 96, the sums kept between
-    # them; a run dropped or restarted from zero is far outside the bound.
+    # them; a run dropped or restarted from zero is far outside the bound. 200 rows: each
+    # run's activations copied first.
     x, weight, _ = gemm_case(rows, 96, 4192)
     bias = torch.randn(96).to(torch.bfloat16)
     got = native.amx_linear(x, native.gemm_pack(weight), 96, bias)

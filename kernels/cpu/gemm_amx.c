@@ -145,12 +145,41 @@ static float (*run_sums(size_t bytes))[16][16] {
     return (float (*)[16][16])run_sums_buffer;
 }
 
+/* From 8 to 16 row blocks (113-256 rows) each thread copies a run's activations into rows one
+ * cache line longer than the run. An x tile's 16 rows at the model's stride (4 or 16 KB for
+ * K = 2,048 or 8,192) all fall in one L1 set, more lines than its ways, and every column pair
+ * reloads them; the copy costs a pass over x per thread and run. Fewer rows are read few times
+ * and gained nothing; more outgrow L2 (a run's copy is 4 KB a row) and lost. */
+#define COPY_MIN_ROW_BLOCKS 8
+#define COPY_MAX_ROW_BLOCKS 16
+#define COPY_PAD 32 /* elements: one cache line */
+
+static __thread uint16_t *run_copy_buffer;
+static __thread size_t run_copy_bytes;
+
+static uint16_t *run_copy(size_t bytes) {
+    if (bytes > run_copy_bytes) {
+        free(run_copy_buffer);
+        run_copy_buffer = aligned_alloc(64, bytes);
+        run_copy_bytes = run_copy_buffer != NULL ? bytes : 0;
+    }
+    return run_copy_buffer;
+}
+
+/* x's row blocks, inputs [32 k0, 32 (k0 + blocks)), at `copy` with rows copy_stride apart. */
+static void copy_run(const uint16_t *x, int64_t stride_bytes, int row_blocks, int64_t k0,
+                     int64_t blocks, uint16_t *copy, int64_t copy_stride) {
+    for (int64_t r = 0; r < 16 * row_blocks; r++)
+        memcpy(copy + r * copy_stride, x + r * (stride_bytes / 2) + 32 * k0,
+               (size_t)(64 * blocks));
+}
+
 /* M > 16: column pairs, row blocks two at a time (the pair's panels stay in L2 between).
  * The run's sums are stored and loaded back exactly, so the bits do not depend on the runs. */
 static void linear_pairs(const uint16_t *x, int64_t stride_bytes, const uint16_t *packed,
                          const uint16_t *bias, GemmOut out, int64_t m, int64_t kblocks,
                          int row_blocks, int64_t first_pair, int64_t last_pair) {
-    const int64_t pair_elems = 2 * kblocks * TILE_ELEMS, x_block = 16 * stride_bytes / 2;
+    const int64_t pair_elems = 2 * kblocks * TILE_ELEMS;
     const int64_t panel = kblocks * TILE_ELEMS, row_pairs = (row_blocks + 1) / 2;
     float one_run[4][16][16] __attribute__((aligned(64)));
     float (*sums)[16][16] = one_run;
@@ -159,23 +188,33 @@ static void linear_pairs(const uint16_t *x, int64_t stride_bytes, const uint16_t
         float (*kept)[16][16] = run_sums((size_t)((last_pair - first_pair) * row_pairs) * 4096);
         if (kept != NULL) sums = kept, run = K_RUN_BLOCKS;
     }
+    const int64_t copy_stride = 32 * run + COPY_PAD;
+    uint16_t *copy = row_blocks >= COPY_MIN_ROW_BLOCKS && row_blocks <= COPY_MAX_ROW_BLOCKS
+                     && last_pair > first_pair
+        ? run_copy((size_t)(16 * row_blocks * copy_stride) * 2) : NULL;
     for (int64_t k0 = 0; k0 < kblocks; k0 += run) {
         const int64_t run_blocks = kblocks - k0 < run ? kblocks - k0 : run;
         const int last_run = k0 + run_blocks == kblocks;
+        const uint16_t *xs = x + 32 * k0; /* the run's x, rows xs_bytes apart */
+        int64_t xs_bytes = stride_bytes;
+        if (copy != NULL) {
+            copy_run(x, stride_bytes, row_blocks, k0, run_blocks, copy, copy_stride);
+            xs = copy, xs_bytes = 2 * copy_stride;
+        }
         for (int64_t cp = first_pair; cp < last_pair; cp++) {
             const uint16_t *panels = packed + cp * pair_elems + k0 * TILE_ELEMS;
             /* prefetched: the next pair's run, else the first pair's next run */
             const uint16_t *next = cp + 1 < last_pair ? panels + pair_elems
                 : !last_run ? packed + first_pair * pair_elems + (k0 + run) * TILE_ELEMS : NULL;
             for (int rb = 0; rb < row_blocks; rb += 2) {
-                const uint16_t *xr = x + rb * x_block + k0 * 32;
+                const uint16_t *xr = xs + rb * 8 * xs_bytes;
                 float (*acc)[16][16] =
                     run == kblocks ? sums : sums + 4 * ((cp - first_pair) * row_pairs + rb / 2);
                 const uint16_t *ahead = rb == 0 ? next : NULL;
                 if (rb + 1 < row_blocks)
-                    column_pair(xr, stride_bytes, run_blocks, panel, panels, ahead, acc, k0 > 0, 2);
+                    column_pair(xr, xs_bytes, run_blocks, panel, panels, ahead, acc, k0 > 0, 2);
                 else
-                    column_pair(xr, stride_bytes, run_blocks, panel, panels, ahead, acc, k0 > 0, 1);
+                    column_pair(xr, xs_bytes, run_blocks, panel, panels, ahead, acc, k0 > 0, 1);
                 if (!last_run) continue;
                 int64_t rows = m - 16 * rb < 32 ? m - 16 * rb : 32;
                 store_pair_rows(acc, rows, bias ? bias + cp * 32 : NULL, out, 16 * rb, cp * 32);
