@@ -128,12 +128,15 @@ static inline void block_scales(int type, const uint8_t *b, float scale[8], floa
 #if defined(__AVX512F__)
         /* All 16 in one vector (the same one rounding each): one by one, the byte extractions,
          * conversions and multiplies were a seventh of the bf16 decode's instructions. */
-        float both[16];
-        _mm512_storeu_ps(both, _mm512_mul_ps(
+        const __m512 both = _mm512_mul_ps(
             _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes))),
-            _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d), _mm512_set1_ps(-dmin))));
-        memcpy(scale, both, sizeof(float) * 8);
-        memcpy(offset, both + 8, sizeof(float) * 8);
+            _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d), _mm512_set1_ps(-dmin)));
+        /* Each half stored by itself: copied out of one 64-byte store, the decode ran slower
+         * on Zen 4, likely a load from the store's upper half not forwarded
+         * (bench/GGUF_FIGURES.md). */
+        const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(both), 1));
+        _mm256_storeu_ps(scale, _mm512_castps512_ps256(both));
+        _mm256_storeu_ps(offset, upper);
 #else
         for (int j = 0; j < 8; j++) {
             scale[j] = d * (float)bytes[j];
@@ -165,11 +168,17 @@ static inline __attribute__((always_inline)) void decode_run_typed(int type, con
             store_q6_k_values(row + stored * size, out, out_bf16, stored * 256);
         return;
     }
+    /* Each block's scales are unpacked one block ahead: from the scalar 6-bit unpacking to the
+     * first FMA they are a long chain through memory, which delayed every store of the block
+     * it served. */
+    float scales[2][8], offsets[2][8];
+    if (from < to) block_scales(type, row + from * size, scales[0], offsets[0]);
     for (int64_t stored = from; stored < to; stored++) {
         const uint8_t *b = row + stored * size;
-        float scale[8], offset[8];
+        const int now = (int)((stored - from) & 1);
+        const float *scale = scales[now], *offset = offsets[now];
         DecodedBlock codes[8];
-        block_scales(type, b, scale, offset);
+        if (stored + 1 < to) block_scales(type, b + size, scales[!now], offsets[!now]);
         /* Every code of the block before any value is stored: to the compiler a store through
          * out may change the weight bytes, so a load after it is done again (a K-quant's two
          * sub-blocks in the same bytes were widened twice). */
