@@ -130,20 +130,27 @@ static void store_pair_rows(float (*acc)[16][16], int64_t rows, const uint16_t *
  * their uses, and the GEMM ran well below both the memory and the tile unit's rate. */
 #define K_RUN_BLOCKS 64
 
-/* Each thread's sums between runs: one 16 x 16 float32 tile per row block and column block of
- * its share, kept from call to call (a fresh allocation of a few hundred KB each call is an
- * mmap and its page faults). */
-static __thread float *run_sums_buffer;
-static __thread size_t run_sums_bytes;
+/* A thread's scratch, kept from call to call: a fresh allocation of a few hundred KB each call
+ * is an mmap and its page faults. */
+typedef struct {
+    void *data;
+    size_t bytes;
+} ThreadScratch;
 
-static float (*run_sums(size_t bytes))[16][16] {
-    if (bytes > run_sums_bytes) {
-        free(run_sums_buffer);
-        run_sums_buffer = aligned_alloc(64, bytes);
-        run_sums_bytes = run_sums_buffer != NULL ? bytes : 0;
+/* At least `bytes` of s, 64-byte aligned (its old contents dropped when it grows); NULL where it
+ * cannot grow. */
+static void *scratch_of(ThreadScratch *s, size_t bytes) {
+    if (bytes > s->bytes) {
+        free(s->data);
+        s->data = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        s->bytes = s->data != NULL ? bytes : 0;
     }
-    return (float (*)[16][16])run_sums_buffer;
+    return s->data;
 }
+
+/* Each thread's sums between runs: one 16 x 16 float32 tile per row block and column block of
+ * its share. */
+static __thread ThreadScratch sums_scratch;
 
 /* From 8 to 16 row blocks (113-256 rows) each thread copies a run's activations into rows one
  * cache line longer than the run. An x tile's 16 rows at the model's stride (4 or 16 KB for
@@ -154,17 +161,7 @@ static float (*run_sums(size_t bytes))[16][16] {
 #define COPY_MAX_ROW_BLOCKS 16
 #define COPY_PAD 32 /* elements: one cache line */
 
-static __thread uint16_t *run_copy_buffer;
-static __thread size_t run_copy_bytes;
-
-static uint16_t *run_copy(size_t bytes) {
-    if (bytes > run_copy_bytes) {
-        free(run_copy_buffer);
-        run_copy_buffer = aligned_alloc(64, bytes);
-        run_copy_bytes = run_copy_buffer != NULL ? bytes : 0;
-    }
-    return run_copy_buffer;
-}
+static __thread ThreadScratch copy_scratch;
 
 /* x's row blocks, inputs [32 k0, 32 (k0 + blocks)), at `copy` with rows copy_stride apart. */
 static void copy_run(const uint16_t *x, int64_t stride_bytes, int row_blocks, int64_t k0,
@@ -185,13 +182,14 @@ static void linear_pairs(const uint16_t *x, int64_t stride_bytes, const uint16_t
     float (*sums)[16][16] = one_run;
     int64_t run = kblocks; /* all of K at once where it is short, or without the buffer */
     if (kblocks > K_RUN_BLOCKS) {
-        float (*kept)[16][16] = run_sums((size_t)((last_pair - first_pair) * row_pairs) * 4096);
+        float (*kept)[16][16] =
+            scratch_of(&sums_scratch, (size_t)((last_pair - first_pair) * row_pairs) * 4096);
         if (kept != NULL) sums = kept, run = K_RUN_BLOCKS;
     }
     const int64_t copy_stride = 32 * run + COPY_PAD;
     uint16_t *copy = row_blocks >= COPY_MIN_ROW_BLOCKS && row_blocks <= COPY_MAX_ROW_BLOCKS
                      && last_pair > first_pair
-        ? run_copy((size_t)(16 * row_blocks * copy_stride) * 2) : NULL;
+        ? scratch_of(&copy_scratch, (size_t)(16 * row_blocks * copy_stride) * 2) : NULL;
     for (int64_t k0 = 0; k0 < kblocks; k0 += run) {
         const int64_t run_blocks = kblocks - k0 < run ? kblocks - k0 : run;
         const int last_run = k0 + run_blocks == kblocks;
