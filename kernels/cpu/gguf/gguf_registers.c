@@ -168,17 +168,21 @@ static inline __attribute__((always_inline)) void decode_run_typed(int type, con
             store_q6_k_values(row + stored * size, out, out_bf16, stored * 256);
         return;
     }
-    /* Each block's scales are unpacked one block ahead: from the scalar 6-bit unpacking to the
-     * first FMA they are a long chain through memory, which delayed every store of the block
-     * it served. */
+    /* A K-quant block's scales are unpacked one block ahead: from the scalar 6-bit unpacking to
+     * the first FMA they are a long chain through memory, which delayed every store of the
+     * block it served. The 32-value types' one fp16 scale is read where it is used. */
+    const int ahead = per == 8;
     float scales[2][8], offsets[2][8];
-    if (from < to) block_scales(type, row + from * size, scales[0], offsets[0]);
+    if (ahead && from < to) block_scales(type, row + from * size, scales[0], offsets[0]);
     for (int64_t stored = from; stored < to; stored++) {
         const uint8_t *b = row + stored * size;
-        const int now = (int)((stored - from) & 1);
+        const int now = ahead ? (int)((stored - from) & 1) : 0;
+        if (!ahead)
+            block_scales(type, b, scales[0], offsets[0]);
+        else if (stored + 1 < to)
+            block_scales(type, b + size, scales[!now], offsets[!now]);
         const float *scale = scales[now], *offset = offsets[now];
         DecodedBlock codes[8];
-        if (stored + 1 < to) block_scales(type, b + size, scales[!now], offsets[!now]);
         /* Every code of the block before any value is stored: to the compiler a store through
          * out may change the weight bytes, so a load after it is done again (a K-quant's two
          * sub-blocks in the same bytes were widened twice). */
