@@ -326,9 +326,18 @@ static inline void store_q8_0_values(const uint8_t *codes, float scale_value, vo
     store_block_values(decode_block(T_Q8_0, codes - 2, 0), scale_value, 0.0f, out, out_bf16, at);
 }
 
+/* A Q6_K super-block for its stores: nothing to prepare ahead here (the AVX-512 library builds
+ * its codes as bytes one block ahead). */
+typedef struct {
+    const uint8_t *b;
+} Q6kReady;
+
+static inline void q6_k_prepare(const uint8_t *b, Q6kReady *q) { q->b = b; }
+
 /* A Q6_K super-block's 256 values: each sub-block's codes, already times their int8 scales in
  * decode_block, times d. */
-static inline void store_q6_k_values(const uint8_t *b, void *out, int out_bf16, int64_t at) {
+static inline void store_q6_k_values(const Q6kReady *q, void *out, int out_bf16, int64_t at) {
+    const uint8_t *b = q->b;
     const float d = half_to_float(b + 208);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++)

@@ -319,19 +319,19 @@ static inline void store_q8_0_values(const uint8_t *codes, float scale_value, vo
  * byte -> dword in one widening, then value = code x f - 32 f with f = d x the int8 scale of
  * those 16 (exact in float32: an fp16 times an int8), in one FMA: its one rounding of the
  * exact (code - 32) x f is gguf's (d x scale) x (code - 32), the same bits (zero as +0, as
- * before). */
-static inline void store_q6_k_values(const uint8_t *b, void *out, int out_bf16, int64_t at) {
+ * before). The codes and factors of a block are prepared while the block before it is stored
+ * (decode_run_typed): read back right after their own stores, each load waited on them. */
+typedef struct {  /* each value's 6-bit code as a byte; per 16 values f and -32 f */
+    __attribute__((aligned(64))) uint8_t codes[256];
     __attribute__((aligned(64))) float factor[16], shift[16];
-    __attribute__((aligned(64))) uint8_t codes[128];
+} Q6kReady;
+
+static inline void q6_k_prepare(const uint8_t *b, Q6kReady *q) {
     const __m512 f = _mm512_mul_ps(
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))),
         _mm512_set1_ps(half_to_float(b + 208)));
-    _mm512_store_ps(factor, f);
-    _mm512_store_ps(shift, _mm512_mul_ps(f, _mm512_set1_ps(-32.0f)));
-    /* Read back from memory: a broadcast or a widening from a load costs no shuffle, while
-     * the compiler, seeing the values in registers, would pick each out with a permute (port
-     * 5, where the widenings already queue). */
-    __asm__ volatile("" ::: "memory");
+    _mm512_store_ps(q->factor, f);
+    _mm512_store_ps(q->shift, _mm512_mul_ps(f, _mm512_set1_ps(-32.0f)));
     const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
     /* per word: the shifts that bring qh's bits (0,1) / (2,3) resp. (4,5) / (6,7) to bits 4, 5
      * of each byte, for the first / second 32 bytes of a 64-byte ql run */
@@ -344,24 +344,30 @@ static inline void store_q6_k_values(const uint8_t *b, void *out, int out_bf16, 
         const __m512i qh = _mm512_broadcast_i64x4(
             _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half)));
         /* (A & B) | C: low bits from ql's nibbles, the top two from qh */
-        _mm512_store_si512(codes, _mm512_ternarylogic_epi32(
+        _mm512_store_si512(q->codes + 128 * half, _mm512_ternarylogic_epi32(
             ql, low4, _mm512_and_si512(_mm512_sllv_epi16(qh, up), top2), 0xEA));
-        _mm512_store_si512(codes + 64, _mm512_ternarylogic_epi32(
+        _mm512_store_si512(q->codes + 128 * half + 64, _mm512_ternarylogic_epi32(
             _mm512_srli_epi16(ql, 4), low4, _mm512_and_si512(_mm512_srlv_epi16(qh, down), top2),
             0xEA));
-        __asm__ volatile("" ::: "memory");
-#pragma GCC unroll 4
-        for (int pair = 0; pair < 4; pair++) {
-            __m512 v[2];
-            for (int i = 0; i < 2; i++) {
-                const int group = 2 * pair + i;  /* of 16 values: its scale's index in the half */
-                const __m128i bytes = _mm_load_si128((const __m128i *)(codes + 16 * group));
-                v[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)),
-                                       _mm512_set1_ps(factor[8 * half + group]),
-                                       _mm512_set1_ps(shift[8 * half + group]));
-            }
-            store_values32(v[0], v[1], out, out_bf16, at + 128 * half + 32 * pair);
+    }
+}
+
+static inline void store_q6_k_values(const Q6kReady *q, void *out, int out_bf16, int64_t at) {
+    /* Read back from memory: a broadcast or a widening from a load costs no shuffle, while
+     * the compiler, seeing the values in registers, would pick each out with a permute (port
+     * 5, where the widenings already queue). */
+    __asm__ volatile("" ::: "memory");
+#pragma GCC unroll 8
+    for (int pair = 0; pair < 8; pair++) {
+        __m512 v[2];
+        for (int i = 0; i < 2; i++) {
+            const int group = 2 * pair + i;  /* of 16 values: its scale's index */
+            const __m128i bytes = _mm_load_si128((const __m128i *)(q->codes + 16 * group));
+            v[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)),
+                                   _mm512_set1_ps(q->factor[group]),
+                                   _mm512_set1_ps(q->shift[group]));
         }
+        store_values32(v[0], v[1], out, out_bf16, at + 32 * pair);
     }
 }
 

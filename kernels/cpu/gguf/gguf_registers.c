@@ -164,8 +164,13 @@ static inline __attribute__((always_inline)) void decode_run_typed(int type, con
         return;
     }
     if (type == T_Q6_K) {
-        for (int64_t stored = from; stored < to; stored++)
-            store_q6_k_values(row + stored * size, out, out_bf16, stored * 256);
+        Q6kReady ready[2];
+        if (from < to) q6_k_prepare(row + from * size, &ready[0]);
+        for (int64_t stored = from; stored < to; stored++) {
+            const int now = (int)((stored - from) & 1);
+            if (stored + 1 < to) q6_k_prepare(row + (stored + 1) * size, &ready[!now]);
+            store_q6_k_values(&ready[now], out, out_bf16, stored * 256);
+        }
         return;
     }
     /* A K-quant block's scales are unpacked one block ahead: from the scalar 6-bit unpacking to
