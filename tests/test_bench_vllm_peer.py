@@ -15,6 +15,7 @@ for folder in (BENCH, BENCH / "peers"):
 
 import bench_beam_search  # noqa: E402
 import bench_structured  # noqa: E402
+import run_vllm  # noqa: E402
 import run_vllm_beam  # noqa: E402
 import run_vllm_structured  # noqa: E402
 from peers.common import Workload  # noqa: E402
@@ -79,3 +80,22 @@ def test_beam_table_has_a_ratio_per_peer_and_dashes_for_a_missing_one():
     lines = bench_beam_search.markdown_table(results).splitlines()
     assert lines[2] == "| 4 | 90.0 | 30.0 | 3.00× | - | - | 1,200 | 4,000 | 70.0% |"
     assert lines[3] == "| 8 | 90.0 | - | - | 45.0 | 2.00× | 1,200 | 4,000 | 70.0% |"
+
+
+def _vllm_llm(num_blocks: int, layer_types: list[str] | None) -> SimpleNamespace:
+    """What allocated_kv_bytes reads of a vLLM LLM: 18 layers, 1 KV head of 256, bf16."""
+    hf = SimpleNamespace(num_hidden_layers=18, num_key_value_heads=1, layer_types=layer_types)
+    model = SimpleNamespace(hf_text_config=hf, get_head_size=lambda: 256,
+                            dtype=SimpleNamespace(itemsize=2))
+    cache = SimpleNamespace(num_gpu_blocks=num_blocks, block_size=128, cache_dtype="auto")
+    return SimpleNamespace(llm_engine=SimpleNamespace(
+        vllm_config=SimpleNamespace(cache_config=cache, model_config=model)))
+
+
+def test_vllm_kv_pool_is_its_blocks_or_the_budget_where_layers_differ():
+    one_kind = run_vllm.allocated_kv_bytes(_vllm_llm(64, ["full_attention"] * 18), 1 << 30)
+    assert one_kind == (64 * 128 * 2 * 18 * 256 * 2, "64 blocks of 128")
+    # Gemma 3: a block holds one group of layers, so blocks x every layer's bytes overstates
+    mixed = ["sliding_attention"] * 5 + ["full_attention"]
+    two_kinds = run_vllm.allocated_kv_bytes(_vllm_llm(5461, mixed * 3), 128 << 20)
+    assert two_kinds[0] == 128 << 20 and "configured" in two_kinds[1]

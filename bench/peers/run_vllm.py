@@ -37,13 +37,19 @@ def vllm_environment(threads: int, kv_gib: float) -> None:
 
 
 def allocated_kv_bytes(llm, fallback: int) -> tuple[int, str]:
-    """Bytes of the KV pool vLLM allocated, from its block count when the engine exposes it."""
+    """Bytes of the KV pool vLLM allocated, from its block count when the engine exposes it.
+
+    With layers of two kinds (Gemma 3's sliding and full attention) vLLM's block holds the tokens
+    of one group of layers, not of every layer, so its count times a token's bytes over all
+    layers overstates the pool (six times on Gemma 3 270M): the configured space is reported."""
     cache = llm.llm_engine.vllm_config.cache_config
     element_bytes = 1 if cache.cache_dtype.startswith("fp8") else None
     model = llm.llm_engine.vllm_config.model_config
+    hf = model.hf_text_config
     if not cache.num_gpu_blocks:
         return fallback, "the configured KV space"
-    hf = model.hf_text_config
+    if len(set(getattr(hf, "layer_types", None) or ())) > 1:
+        return fallback, "the configured KV space (layers of two kinds share its blocks)"
     per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * model.get_head_size() * (element_bytes or model.dtype.itemsize)
     return cache.num_gpu_blocks * cache.block_size * per_token, f"{cache.num_gpu_blocks} blocks of {cache.block_size}"
 
