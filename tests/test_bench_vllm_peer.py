@@ -1,5 +1,6 @@
-"""The vLLM peer of the beam-search and structured-outputs benchmarks, without vLLM: skipping when
-it is not installed, the checks its runners make on vLLM's outputs, and the ratio tables."""
+"""The vLLM peer of the benchmarks, without vLLM: skipping when it is not installed, the checks
+its beam-search and structured-outputs runners make on vLLM's outputs, the ratio tables, and
+the size of the KV pool the suite runner reports for it."""
 
 from __future__ import annotations
 
