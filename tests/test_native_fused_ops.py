@@ -90,17 +90,21 @@ def test_gelu_tanh_mul_matches_its_definition():
 
 
 @needs_native
-def test_argmax_rows_is_torchs_max_indices():
-    logits = torch.randn(6, 50_000, generator=torch.Generator().manual_seed(4))
-    logits[1, 7] = logits[1, 9] = 100.0          # a tie: the first index
-    logits[2, 123] = float("nan")                # NaN wins, as in torch
+@pytest.mark.parametrize("cols", [50_000, 1, 17, 100, 200])
+def test_argmax_rows_is_torchs_max_indices(cols):
+    logits = torch.randn(7, cols, generator=torch.Generator().manual_seed(4))
+    last = cols - 1
+    logits[1, last // 3], logits[1, last] = 100.0, 100.0      # a tie: the first index
+    logits[2, last] = float("nan")               # NaN wins, as in torch
     logits[3] = float("-inf")                    # every token banned: index 0
     logits[4] = -1.0
-    logits[4, 3], logits[4, 2] = 0.0, -0.0       # -0 and +0 tie
+    logits[4, last], logits[4, last // 2] = 0.0, -0.0   # -0 and +0 tie
     logits[5, -1] = float("inf")
+    logits[6] = 5.0                              # all equal: 0, whatever lane holds the rest
     got = native.argmax_rows(logits)
     assert torch.equal(got, logits.max(dim=-1).indices)
-    assert got.tolist()[:4] == [int(logits[0].argmax()), 7, 123, 0]
+    assert got.tolist()[:5] == [int(logits[0].argmax()), last // 3, last, 0, last // 2]
+    assert got.tolist()[6] == 0
 
 
 def test_fused_ops_decline_what_they_do_not_handle():

@@ -15,6 +15,10 @@
 
 #include "team_ops.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 static inline float bf16_load(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
     float f;
@@ -131,27 +135,81 @@ static inline int32_t float_order(uint32_t u) { /* monotone in the float's value
     return (int32_t)(u & 0x80000000u ? u ^ 0x7fffffffu : u);
 }
 
+static inline int is_nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
+
+#if defined(__AVX512F__)
+/* Per lane: the largest key so far and where it first occurs, and the lane's first NaN. */
+typedef struct {
+    __m512i best, best_at, nan_at;
+} ArgmaxLanes;
+
+/* float_order and is_nan_bits of 16 values (the `valid` ones) at indices `at`. */
+static inline void argmax_step(ArgmaxLanes *lanes, __m512i bits, __m512i at, __mmask16 valid) {
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+    __m512i key = _mm512_xor_si512(bits, _mm512_and_si512(_mm512_srai_epi32(bits, 31), magnitude));
+    key = _mm512_mask_mov_epi32(key, _mm512_cmpeq_epi32_mask(bits, _mm512_set1_epi32(INT32_MIN)),
+                                _mm512_setzero_si512()); /* -0 takes +0's key */
+    const __mmask16 greater = _mm512_mask_cmpgt_epi32_mask(valid, key, lanes->best);
+    lanes->best = _mm512_mask_mov_epi32(lanes->best, greater, key);
+    lanes->best_at = _mm512_mask_mov_epi32(lanes->best_at, greater, at);
+    const __mmask16 nan = _mm512_mask_cmpgt_epi32_mask(
+        valid, _mm512_and_si512(bits, magnitude), _mm512_set1_epi32(0x7f800000));
+    lanes->nan_at = _mm512_mask_min_epi32(lanes->nan_at, nan, lanes->nan_at, at);
+}
+
+/* One pass with four sets of lanes (each set's compare waits on its own previous maximum:
+ * four chains keep up with the loads), then the lanes agree on the first index. The portable
+ * loop's two passes, the second a scalar scan, ran at a few values per cycle: slower than the
+ * logits can be read, a visible share of a decode step over a 262k vocabulary. */
+static int64_t argmax_row(const uint32_t *row, int64_t cols) {
+    ArgmaxLanes lanes[4];
+    for (int s = 0; s < 4; s++)
+        lanes[s] = (ArgmaxLanes){_mm512_set1_epi32(INT32_MIN), _mm512_setzero_si512(),
+                                 _mm512_set1_epi32(INT32_MAX)};
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    int64_t i = 0;
+    for (; i + 64 <= cols; i += 64)
+        for (int s = 0; s < 4; s++)
+            argmax_step(&lanes[s], _mm512_loadu_si512(row + i + 16 * s),
+                        _mm512_add_epi32(first, _mm512_set1_epi32((int)(i + 16 * s))), 0xffff);
+    for (; i < cols; i += 16) {
+        const __mmask16 valid = cols - i >= 16 ? 0xffff : (__mmask16)((1u << (cols - i)) - 1u);
+        argmax_step(&lanes[0], _mm512_maskz_loadu_epi32(valid, row + i),
+                    _mm512_add_epi32(first, _mm512_set1_epi32((int)i)), valid);
+    }
+    __m512i best = lanes[0].best, nan_at = lanes[0].nan_at;
+    for (int s = 1; s < 4; s++) {
+        best = _mm512_max_epi32(best, lanes[s].best);
+        nan_at = _mm512_min_epi32(nan_at, lanes[s].nan_at);
+    }
+    const int32_t first_nan = _mm512_reduce_min_epi32(nan_at);
+    if (first_nan != INT32_MAX) return first_nan;
+    const __m512i top = _mm512_set1_epi32(_mm512_reduce_max_epi32(best));
+    __m512i at = _mm512_set1_epi32(INT32_MAX); /* per lane, the first index holding the top */
+    for (int s = 0; s < 4; s++)
+        at = _mm512_mask_min_epi32(at, _mm512_cmpeq_epi32_mask(lanes[s].best, top), at,
+                                   lanes[s].best_at);
+    return _mm512_reduce_min_epi32(at);
+}
+#else
+static int64_t argmax_row(const uint32_t *row, int64_t cols) {
+    int32_t best = INT32_MIN;
+    uint32_t nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+    for (int64_t i = 0; i < cols; i++) {
+        const int32_t key = float_order(row[i]);
+        best = key > best ? key : best;
+        nan |= is_nan_bits(row[i]);
+    }
+    for (int64_t i = 0; i < cols; i++)
+        if (nan ? is_nan_bits(row[i]) : float_order(row[i]) == best) return i;
+    return 0;
+}
+#endif
+
 void argmax_rows_team(const float *x, int64_t rows, int64_t cols, int64_t *out) {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint32_t *row = (const uint32_t *)(x + r * cols);
-        int32_t best = INT32_MIN;
-        uint32_t nan = 0;
-#pragma omp simd reduction(max : best) reduction(| : nan)
-        for (int64_t i = 0; i < cols; i++) {
-            int32_t key = float_order(row[i]);
-            best = key > best ? key : best;
-            nan |= (row[i] & 0x7fffffffu) > 0x7f800000u;
-        }
-        int64_t at = 0;
-        for (int64_t i = 0; i < cols; i++) {
-            if (nan ? (row[i] & 0x7fffffffu) > 0x7f800000u : float_order(row[i]) == best) {
-                at = i;
-                break;
-            }
-        }
-        out[r] = at;
-    }
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row((const uint32_t *)(x + r * cols), cols);
 }
 
 /* Rotary embedding, HF "rotate half" layout: for each head, with x = [x1 | x2],
