@@ -10,7 +10,8 @@
  * kernels. A micro-tile (gemm_micro_tiles.h) keeps R rows x C column blocks of float32 sums
  * in registers (8 x 3: 24 of the 32 zmm). A thread walks its column groups one at a time, all
  * row blocks of a group before the next (the group's panels stay in L2 after the first row
- * block), and prefetches the next group's panels into L2 during the first row block. Threads
+ * block), and prefetches the next group's panels into L2 during the first row block; calls of
+ * many rows also prefetch each next row tile's output lines for writing. Threads
  * (torch's OpenMP runtime) split the column groups, and the rows too where groups are fewer
  * than threads.
  * Each output row's sums run over the inputs in the same order whatever M is: a row gets the
@@ -46,6 +47,9 @@
 #ifndef WIDE_MIN_ROWS
 #define WIDE_MIN_ROWS 8 /* the float32 form from here (bench/bench_gemm.py --forms) */
 #endif
+/* Calls of this many rows write-prefetch their output (prefill chunks; a decode step's output
+ * is small and still in cache from the step's previous projection). */
+#define PREFETCH_OUT_MIN_ROWS 256
 
 ALWAYS_INLINE void store_tile(MicroTileSums acc, const uint16_t *bias, GemmOut out, int64_t row,
                               int64_t col_block, int R, int C) {
@@ -75,6 +79,19 @@ ALWAYS_INLINE void micro_tile_wide(const float *x_wide, const uint16_t *panel,
     store_tile(acc, bias, out, row, col_block, R, C);
 }
 
+/* The output lines of the row tile from `row` (up to `end`) in column blocks col_block.. +C-1,
+ * prefetched for writing. A large output is not in cache, and its stores each wait for their
+ * line to be read for ownership: a row tile's stores at once filled the store queue and
+ * stalled the next tile's arithmetic. Issued one tile ahead, the reads overlap it instead. */
+ALWAYS_INLINE void prefetch_output(GemmOut out, int64_t row, int64_t end, int64_t col_block,
+                                   int C) {
+    const int64_t elem = out.f32 ? 4 : 2, bytes = (int64_t)C * 16 * elem;
+    for (int64_t r = row; r < end && r < row + TILE_ROWS; r++) {
+        const char *at = (const char *)out.data + (r * out.n + col_block * 16) * elem;
+        for (int64_t b = 0; b < bytes + 63; b += 64) __builtin_prefetch(at + b, 1, 3);
+    }
+}
+
 /* Rows row..row+rows-1 of column blocks col_block..col_block+C-1: whole 8-row tiles, then the
  * rest. */
 ALWAYS_INLINE void column_group(const uint16_t *x, int64_t x_stride, const uint16_t *panel,
@@ -101,9 +118,11 @@ ALWAYS_INLINE void column_group(const uint16_t *x, int64_t x_stride, const uint1
         }
         return;
     }
-    for (; row + TILE_ROWS <= end; row += TILE_ROWS, next = NULL)
+    for (; row + TILE_ROWS <= end; row += TILE_ROWS, next = NULL) {
+        if (out.prefetch) prefetch_output(out, row + TILE_ROWS, end, col_block, C);
         micro_tile(x + row * x_stride, x_stride, panel, next, pairs, bias, out, row, col_block,
                    TILE_ROWS, C);
+    }
     const uint16_t *xr = x + row * x_stride;
     switch (end - row) { /* constant R: the sums stay in registers */
     case 1: micro_tile(xr, x_stride, panel, next, pairs, bias, out, row, col_block, 1, C); break;
@@ -207,7 +226,8 @@ int avx512_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *pack
                        const uint16_t *bias, void *out, int64_t m, int64_t n, int64_t k,
                        int out_f32, int num_threads) {
     if (!avx512_linear_supported(m, n, k)) return 1;
-    const GemmOut rows = {out, n, out_f32, gemm_streams(out, m, n, out_f32)};
+    const int stream = gemm_streams(out, m, n, out_f32);
+    const GemmOut rows = {out, n, out_f32, stream, m >= PREFETCH_OUT_MIN_ROWS && !stream};
     const int wide = takes_wide_form(m);
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
     {

@@ -28,6 +28,7 @@ typedef struct {
     int64_t n;
     int f32;
     int stream;
+    int prefetch; /* 1: each row tile write-prefetches the next one's lines (gemm_avx512.c) */
 } GemmOut;
 
 /* Float32 outputs at least this large are streamed (see GemmOut.stream). */
