@@ -47,9 +47,6 @@
 #ifndef WIDE_MIN_ROWS
 #define WIDE_MIN_ROWS 8 /* the float32 form from here (bench/bench_gemm.py --forms) */
 #endif
-/* Calls of this many rows write-prefetch their output (prefill chunks; a decode step's output
- * is small and still in cache from the step's previous projection). */
-#define PREFETCH_OUT_MIN_ROWS 256
 
 ALWAYS_INLINE void store_tile(MicroTileSums acc, const uint16_t *bias, GemmOut out, int64_t row,
                               int64_t col_block, int R, int C) {
@@ -79,17 +76,13 @@ ALWAYS_INLINE void micro_tile_wide(const float *x_wide, const uint16_t *panel,
     store_tile(acc, bias, out, row, col_block, R, C);
 }
 
-/* The output lines of the row tile from `row` (up to `end`) in column blocks col_block.. +C-1,
- * prefetched for writing. A large output is not in cache, and its stores each wait for their
- * line to be read for ownership: a row tile's stores at once filled the store queue and
- * stalled the next tile's arithmetic. Issued one tile ahead, the reads overlap it instead. */
+/* The output lines of the row tile from `row` (up to `end`) in column blocks col_block..+C-1,
+ * for writing (prefetch_for_write). */
 ALWAYS_INLINE void prefetch_output(GemmOut out, int64_t row, int64_t end, int64_t col_block,
                                    int C) {
-    const int64_t elem = out.f32 ? 4 : 2, bytes = (int64_t)C * 16 * elem;
-    for (int64_t r = row; r < end && r < row + TILE_ROWS; r++) {
-        const char *at = (const char *)out.data + (r * out.n + col_block * 16) * elem;
-        for (int64_t b = 0; b < bytes + 63; b += 64) __builtin_prefetch(at + b, 1, 3);
-    }
+    const int64_t elem = out.f32 ? 4 : 2, rows = end - row < TILE_ROWS ? end - row : TILE_ROWS;
+    prefetch_for_write((const char *)out.data + (row * out.n + col_block * 16) * elem,
+                       out.n * elem, rows, (int64_t)C * 16 * elem);
 }
 
 /* Rows row..row+rows-1 of column blocks col_block..col_block+C-1: whole 8-row tiles, then the

@@ -36,6 +36,22 @@
 
 typedef __m512 MicroTileSums[MICRO_TILE_ROWS][MICRO_TILE_BLOCKS];
 
+/* Calls of this many rows write-prefetch their output (prefill chunks; a decode step's output
+ * is small and still in cache from the step's previous projection). */
+#define PREFETCH_OUT_MIN_ROWS 256
+
+/* `rows` output rows of `bytes` each from `first`, `stride` bytes apart, prefetched for
+ * writing. A large output is not in cache, and a micro-tile's stores each wait for their line
+ * to be read for ownership: a tile's stores at once filled the store queue and stalled the next
+ * tile's arithmetic. Issued for the next tile at the start of each, the reads overlap it. */
+static inline __attribute__((always_inline)) void prefetch_for_write(const void *first,
+                                                                     int64_t stride, int64_t rows,
+                                                                     int64_t bytes) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < bytes + 63; b += 64)
+            __builtin_prefetch((const char *)first + r * stride + b, 1, 3);
+}
+
 static inline __attribute__((always_inline)) __m512bh x_pair(const uint16_t *x) {
     int32_t pair; /* x[0], x[1] in every 32-bit lane */
     memcpy(&pair, x, sizeof pair);

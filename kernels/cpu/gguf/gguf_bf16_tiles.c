@@ -257,6 +257,10 @@ static inline __attribute__((always_inline)) void rows_through_panel(
         int64_t m_rows, float *y, int64_t y_stride, int C, int last_cols) {
     for (int64_t row = 0; row < m_rows; row += MICRO_TILE_ROWS) {
         const int R = m_rows - row < MICRO_TILE_ROWS ? (int)(m_rows - row) : MICRO_TILE_ROWS;
+        const int64_t next = row + R, ahead = m_rows - next < MICRO_TILE_ROWS ? m_rows - next
+                                                                                 : MICRO_TILE_ROWS;
+        if (m_rows >= PREFETCH_OUT_MIN_ROWS && ahead > 0)
+            prefetch_for_write(y + next * y_stride, y_stride * 4, ahead, (int64_t)C * 16 * 4);
         const float *x_wide =
             wide.data ? widened_rows_at(wide, x, x_stride, row, R, 2 * pairs) : NULL;
         MicroTileSums acc;
