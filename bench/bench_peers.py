@@ -30,8 +30,8 @@ sys.path.insert(0, str(BENCH_DIR))
 from make_bench_model import resolve_model  # noqa: E402
 from peers.agreement import agreement  # noqa: E402
 from peers.common import Workload, save_workload  # noqa: E402
-from peers.floor import (ModelShape, measure_copy_bandwidth, measure_gemm_rate,  # noqa: E402
-                         kv_read_bytes, weight_bytes, workload_flops)
+from peers.floor import (ModelShape, fewest_steps, kv_read_bytes, measure_copy_bandwidth,  # noqa: E402
+                         measure_gemm_rate, weight_bytes, workload_flops)
 from peers.install_vllm import DEFAULT_VENV, install, is_installed, venv_python  # noqa: E402
 from peers.launch import launch  # noqa: E402
 from peers.cpu_info import CpuInfo, cpu_info  # noqa: E402
@@ -223,6 +223,7 @@ class Floor:
     gemm_flop_s: float
     bytes: float = 0.0
     bytes_s: float = float("inf")
+    steps: int = 0          # the fewest steps any engine needs, which the weight reads count
 
     @property
     def compute_seconds(self) -> float:
@@ -280,7 +281,8 @@ def workload_lines(workload: Workload, floor: Floor, budget_gib: float) -> list[
         f"{workload.generated_tokens} generated tokens; KV budget {budget_gib * 1024:g} MiB",
         f"floor: compute {floor.flops / 1e12:.3f} TFLOP / {floor.gemm_flop_s / 1e9:.0f} GFLOP/s = "
         f"{floor.compute_seconds:.2f} s; memory {floor.bytes / 1e9:.2f} GB / "
-        f"{floor.bytes_s / 1e9:.1f} GB/s = {floor.memory_seconds:.2f} s; {floor.bound}-bound, "
+        f"{floor.bytes_s / 1e9:.1f} GB/s = {floor.memory_seconds:.2f} s over {floor.steps} steps; "
+        f"{floor.bound}-bound, "
         "x floor is over the larger",
     ]
 
@@ -294,11 +296,12 @@ def kernel_path_lines(suite: list[tuple[Workload, list[EngineRun]]]) -> list[str
 
 def workload_floor(args, workload: Workload, shape: ModelShape, rates: tuple[float, float]) -> Floor:
     """Weights at the run's dtype, K/V at the pool's element size (8-bit pools: 1 byte; their
-    per-block scales are negligible)."""
+    per-block scales are negligible), the steps at least what the workload's KV budget allows."""
     dtype_bytes = 2.0 if args.dtype == "bfloat16" else 4.0
     kv_bytes = 1.0 if args.kv_cache_dtype != "auto" else dtype_bytes
-    read = weight_bytes(shape, workload, dtype_bytes) + kv_read_bytes(shape, workload, kv_bytes)
-    return Floor(workload_flops(shape, workload), rates[0], read, rates[1])
+    steps = fewest_steps(shape, workload, kv_bytes, kv_gib(args, workload) * 2**30)
+    read = weight_bytes(shape, steps, dtype_bytes) + kv_read_bytes(shape, workload, kv_bytes)
+    return Floor(workload_flops(shape, workload), rates[0], read, rates[1], steps)
 
 
 def run_workload(args, workload: Workload, model_dir: Path, pythons: dict, shape: ModelShape,
@@ -321,7 +324,7 @@ def workload_json(args, workload: Workload, floor: Floor, lines: list[str], runs
             "prompt_tokens": workload.prompt_tokens, "generated_tokens": workload.generated_tokens,
             "floor_flops": floor.flops, "gemm_flop_s": floor.gemm_flop_s, "floor_bytes": floor.bytes,
             "bandwidth_bytes_s": floor.bytes_s, "floor_compute_s": floor.compute_seconds,
-            "floor_memory_s": floor.memory_seconds, "floor_s": floor.seconds, "floor_bound": floor.bound}
+            "floor_memory_s": floor.memory_seconds, "floor_steps": floor.steps, "floor_s": floor.seconds, "floor_bound": floor.bound}
     return to_json(meta, runs)
 
 

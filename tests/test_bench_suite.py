@@ -18,7 +18,7 @@ sys.path.insert(1, str(BENCH / "peers"))   # the runners import their helpers as
 
 from peers.common import Workload, check_outputs  # noqa: E402
 from peers.cpu_info import cpu_info  # noqa: E402
-from peers.floor import ModelShape, kv_read_bytes, weight_bytes, workload_flops  # noqa: E402
+from peers.floor import ModelShape, fewest_steps, kv_read_bytes, weight_bytes, workload_flops  # noqa: E402
 from peers.run_hf_static import plan_batches  # noqa: E402
 from peers.workload import SUITE, random_workload, suite_specs  # noqa: E402
 
@@ -162,7 +162,44 @@ def test_memory_floor_reads_shared_blocks_once_per_step():
             pytest.approx(reference_kv_blocks(workload, 4) * per_block)
     plain, shared = cases[2], replace(cases[2], shared_prefix_len=0)
     assert kv_read_bytes(SHAPE, plain, 2.0, 4) < kv_read_bytes(SHAPE, shared, 2.0, 4)
-    assert weight_bytes(SHAPE, plain, 2.0) == 9 * 2.0 * (SHAPE.params_per_token + SHAPE.vocab * SHAPE.hidden)
+    assert weight_bytes(SHAPE, 9, 2.0) == 9 * 2.0 * (SHAPE.params_per_token + SHAPE.vocab * SHAPE.hidden)
+
+
+def first_come_steps(workload: Workload, budget_tokens: int) -> int:
+    """Steps of one schedule that keeps every step inside the budget: requests admitted in
+    order while the pool holds what they will grow to, each run to its end, one token a step."""
+    pending = list(zip(map(len, workload.prompts), workload.max_tokens))
+    running: list[list[int]] = []   # [prompt, max_tokens, steps done]
+    steps = 0
+    while pending or running:
+        while pending and sum(p + g - 1 for p, g, _ in running) + sum(pending[0]) - 1 <= budget_tokens:
+            running.append([*pending.pop(0), 0])
+        assert running, "a request larger than the budget"
+        for request in running:
+            request[2] += 1
+        running = [r for r in running if r[2] < r[1]]
+        steps += 1
+    return steps
+
+
+def test_fewest_steps_count_what_the_kv_budget_holds():
+    per_token = SHAPE.kv_bytes_per_token(2.0)
+    workload = Workload([[1] * 40, [1] * 30, [1] * 50, [1] * 20], [12, 30, 8, 25])
+    assert fewest_steps(SHAPE, workload) == 30
+    assert fewest_steps(SHAPE, workload, 2.0, 10**9) == 30
+    for budget_tokens in (60, 80, 120, 200):
+        bound = fewest_steps(SHAPE, workload, 2.0, budget_tokens * per_token)
+        assert 30 <= bound <= first_come_steps(workload, budget_tokens), budget_tokens
+    held = sum(g * p + g * (g - 1) // 2 for p, g in ((40, 12), (30, 30), (50, 8), (20, 25)))
+    assert fewest_steps(SHAPE, workload, 2.0, 60 * per_token) == -(-held // 60) > 30
+    # 8-bit K/V: the same budget holds twice the tokens.
+    assert fewest_steps(SHAPE, workload, 1.0, 60 * per_token / 2) == -(-held // 60)
+    # A sliding layer holds its window at most; a shared prefix and the prompt of n samples once.
+    sliding = replace(SHAPE, sliding_layers=1, window=4)
+    assert fewest_steps(sliding, workload, 2.0, 60 * per_token) < fewest_steps(SHAPE, workload, 2.0, 60 * per_token)
+    sampled = replace(workload, n=2, temperature=1.0)
+    own = sum(g * p + 2 * g * (g - 1) // 2 for p, g in ((40, 12), (30, 30), (50, 8), (20, 25)))
+    assert fewest_steps(SHAPE, sampled, 2.0, 60 * per_token) == -(-own // 60)
 
 
 def test_outputs_are_checked_flat_with_n_samples():

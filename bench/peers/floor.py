@@ -4,14 +4,17 @@
 - memory: the bytes the workload must read at the measured memory bandwidth — the weights once
   per step and every live physical KV block once per step, over the fewest steps any engine
   needs (each request's tokens are sequential, so at least its max_tokens steps; prompts all
-  prefilled in the first). Shared blocks (a common prefix, the prompt of n samples) count once
-  per step, so sharing cannot "beat" the floor; it only lowers it.
+  prefilled in the first; and a step holds no more K/V than the KV budget, so a workload whose
+  requests do not all fit at once needs more steps: `fewest_steps`). Shared blocks (a common
+  prefix, the prompt of n samples) count once per step, so sharing cannot "beat" the floor; it
+  only lowers it.
 Each engine's generate time as a multiple of the larger bound says how far from the hardware
 it is; which bound binds says what to optimise.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -80,15 +83,45 @@ def workload_flops(shape: ModelShape, workload: Workload) -> float:
     return flops
 
 
-def weight_bytes(shape: ModelShape, workload: Workload, dtype_bytes: float = 2.0) -> float:
-    """Weights read by the fewest-steps schedule: once per step, max(max_tokens) steps (step 0
-    prefills every prompt and samples the first token)."""
-    return max(workload.max_tokens) * shape.weights_per_step * dtype_bytes
+def weight_bytes(shape: ModelShape, steps: int, dtype_bytes: float = 2.0) -> float:
+    """Weights read by a schedule of `steps` steps (`fewest_steps`): all of them once per step."""
+    return steps * shape.weights_per_step * dtype_bytes
+
+
+def fewest_steps(shape: ModelShape, workload: Workload, kv_dtype_bytes: float = 2.0,
+                 budget_bytes: float | None = None) -> int:
+    """Steps no engine can go below: max(max_tokens) (step 0 prefills every prompt and samples
+    the first token), and the K/V that requests must hold over their sampling steps divided by
+    the KV budget (every step's live K/V fits the pool). Request i holds at least its own prompt
+    and each sample's s tokens at its step s in any schedule (a shared prefix is left out, and
+    tokens are not rounded up to blocks, so the count stays a lower bound for any block size);
+    preemption by recompute only adds steps. An engine that moved K/V out of the pool (swap,
+    offload) could go below it; none of the peers here does on the CPU."""
+    longest = max(workload.max_tokens)
+    if budget_bytes is None:
+        return longest
+    held = sum(_held_bytes(shape, workload, len(p), g, kv_dtype_bytes)
+               for p, g in zip(workload.prompts, workload.max_tokens))
+    return max(longest, math.ceil(held / budget_bytes))
+
+
+def _held_bytes(shape: ModelShape, workload: Workload, prompt: int, g: int, kv_dtype_bytes: float) -> float:
+    """K/V bytes one request holds, summed over its steps 0..g-1 (at step s each sample has s
+    tokens of its own beside the prompt); sliding layers hold at most `window` tokens of each."""
+    own = prompt - workload.shared_prefix_len
+    n, window = workload.n, shape.window
+    full = sum(own + n * s for s in range(g))
+    held = full * shape.kv_bytes_per_token(kv_dtype_bytes, shape.full_layers)
+    if shape.sliding_layers:
+        tokens = sum(min(own + s, window) + (n - 1) * min(s, window) for s in range(g))
+        held += tokens * shape.kv_bytes_per_token(kv_dtype_bytes, shape.sliding_layers)
+    return held
 
 
 def kv_read_bytes(shape: ModelShape, workload: Workload, dtype_bytes: float = 2.0,
                   block_size: int = 16) -> float:
-    """K/V read by the same schedule, each live physical block once per step. At step s >= 1
+    """K/V read by the same schedule (without a budget: one only spreads these reads over more
+    steps), each live physical block once per step. At step s >= 1
     request i (while s < its max_tokens) reads its prompt's blocks and each sample's blocks of
     s generated tokens; a prefix every prompt shares is read once per step while any request
     is alive. Prefill writes K/V; reading them back within the chunk is not counted. Sliding
