@@ -13,8 +13,9 @@ over thousands of rows.
 Per type and M: int8 kernel (the path dispatched on this CPU, printed), the bf16 tile GEMM
 (libraries with AVX-512 BF16, on the tile unit in the amx_bf16 one: bf16 activations from
 tiles_min_rows() rows on), the
-dequantize-to-bf16 + dense GEMM route the model takes from DEQUANTIZE_MIN_ROWS rows on, and our
-bf16 GEMM on a pre-dequantized weight (what weights="dequantized" runs). Weight GB/s = bytes the weight takes
+dequantize + dense GEMM route the model takes from DEQUANTIZE_MIN_ROWS rows on (in bf16, or in
+float32 on CPUs without bf16 hardware), and our bf16 GEMM on a pre-dequantized weight (what
+weights="dequantized" runs in bf16). Weight GB/s = bytes the weight takes
 as stored / time; rows/s = M / time. Medians of --repeats calls; with one thread the
 thread's CPU time (immune to a shared machine's descheduling), else wall time. Per type, the
 crossovers: the smallest M where the tiles beat the int8 kernel, and where dequantize+GEMM

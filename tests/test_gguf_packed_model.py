@@ -133,6 +133,28 @@ def test_large_row_counts_dequantize_and_agree(tmp_path, form):
     assert (big - small).abs().max() <= 0.05 * big.abs().max()
 
 
+@pytest.mark.parametrize("bf16_hardware", [True, False])
+def test_large_row_counts_multiply_in_float32_where_bf16_is_not_in_hardware(
+        tmp_path, monkeypatch, bf16_hardware):
+    """Past the dequantize crossover a float32 run multiplies in float32, and so does a bf16
+    run on a CPU without bf16 hardware (its bf16 GEMM would be emulated, several times
+    slower): the weight dequantized to float32, the bf16 rows widened exactly."""
+    monkeypatch.setattr(ql, "cpu_has_bf16_arithmetic", lambda: bf16_hardware)
+    path = write_quantized_gguf(tmp_path / "q.gguf")
+    decoder = load_model(path, dtype="bfloat16", weights="packed").model
+    decoder.pack_weights()
+    weight = decoder.layers[1].mlp.down_packed
+    rows = torch.randn(ql.dequantize_min_rows(weight.library) + 3, weight.in_features,
+                       generator=torch.Generator().manual_seed(2))
+    exact = ql.dequantized(weight, torch.float32)
+    assert torch.equal(ql.quantized_linear(rows, weight), torch.nn.functional.linear(rows, exact))
+    got = ql.quantized_linear(rows.to(torch.bfloat16), weight)
+    assert got.dtype == torch.bfloat16
+    if not bf16_hardware:
+        want = torch.nn.functional.linear(rows.to(torch.bfloat16).float(), exact)
+        assert torch.equal(got, want.to(torch.bfloat16))
+
+
 def test_middle_row_counts_compute_the_dequantized_bf16_product(tmp_path):
     """Where the library has bf16 tiles, bf16 rows between tiles_min_rows() and the
     dequantize crossover get the dequantized bf16 path's product (float32 summation order

@@ -16,6 +16,7 @@ from gguf.quants import quantize
 from pagedgen.model.loading import default_model
 from pagedgen.model.runtime.batch import ScheduledChunk
 from pagedgen.model.config import UnsupportedModelError
+from pagedgen.model import dtypes
 from pagedgen.model.dtypes import resolve_dtype
 from pagedgen.model.loading.gguf_file import read_gguf
 from pagedgen.model.loading.hf_config import model_config_from_hf
@@ -176,9 +177,15 @@ def test_default_model_file_is_found_without_importing_its_package():
 
 # --- dtype --------------------------------------------------------------------------------
 
-def test_dtype_resolution():
+def test_dtype_resolution(monkeypatch):
+    monkeypatch.setattr(dtypes, "cpu_has_bf16_arithmetic", lambda: True)
     assert resolve_dtype(None, "cpu") == torch.bfloat16
     assert resolve_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(dtypes, "cpu_has_bf16_arithmetic", lambda: False)
+    # No bf16 hardware: float32, except for GGUF blocks kept packed (the int8 kernels).
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cpu", packed_gguf=lambda: True) == torch.bfloat16
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16   # asked for: given
     assert resolve_dtype("fp32", "cpu") == torch.float32
     assert resolve_dtype(torch.bfloat16, "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="not supported on cpu"):

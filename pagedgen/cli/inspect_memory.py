@@ -27,6 +27,7 @@ from pagedgen.engine.engine_config import resolve_max_model_len
 from pagedgen.memory.render import human_bytes
 from pagedgen.model.device import resolve_device
 from pagedgen.model.dtypes import resolve_dtype
+from pagedgen.model.loading.loader import stays_packed
 from pagedgen.model.loading.source import locate_model, read_model_config
 from pagedgen.model.loading.weight_sizes import weight_file_sizes
 from pagedgen.model.runtime.kv_cache import (available_memory_bytes, dtype_bytes,
@@ -168,7 +169,9 @@ def sizing_for_config(config: Any, seq_lens: Sequence[int] = ()) -> dict[str, An
     config = config.engine
     device = resolve_device(config.device)
     shape = read_model_shape(config.model)
-    dtype = str(resolve_dtype(None if config.dtype == "auto" else config.dtype, device)).removeprefix("torch.")
+    packed = lambda: stays_packed(locate_model(config.model), config.weights, device)  # noqa: E731
+    dtype = str(resolve_dtype(None if config.dtype == "auto" else config.dtype, device,
+                              packed)).removeprefix("torch.")
     kv = KVShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype,
                  config.kv_cache_dtype, shape.layer_windows)
     size = dict(kv_memory_bytes=config.kv_memory, num_blocks=config.num_blocks, device=device)

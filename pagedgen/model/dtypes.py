@@ -2,12 +2,21 @@
 
 `dtype=None` (or "auto") picks, per device:
   * CUDA: bfloat16 where the GPU supports it, else float16.
-  * CPU: bfloat16. Batched generation is GEMM-bound and AMX (or AVX-512 BF16) runs bf16
-    GEMMs several times faster than float32 (step times: bench/FIGURES.md). float32 only
-    ties at batch 1, which is not what a batch tool runs; it remains the dtype for exact
-    comparisons (tests against transformers use it).
+  * CPU that multiplies bf16 in hardware (AMX, AVX-512 BF16, Arm BF16): bfloat16. Batched
+    generation is GEMM-bound and there bf16 GEMMs run several times faster than float32 (step
+    times: bench/FIGURES.md). float32 only ties at batch 1, which is not what a batch tool
+    runs; it remains the dtype for exact comparisons (tests against transformers use it).
+  * Other CPUs (AVX2-only x86, older Arm): float32, since their bf16 GEMM widens every element
+    and runs several times slower than the float32 one (bench/README.md) — except for a GGUF
+    file whose blocks stay packed: its projections are the int8 kernels either way, and in
+    bf16 the rest of the step (the fused decode step, a KV pool of half the bytes) is faster.
 """
 from __future__ import annotations
+
+import platform
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
 
 import torch
 
@@ -20,11 +29,14 @@ CPU_DTYPES = (torch.float32, torch.bfloat16)
 CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str) -> torch.dtype:
-    """The torch dtype to run in; clear error for unknown names or unsupported pairs."""
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str,
+                  packed_gguf: Callable[[], bool] = lambda: False) -> torch.dtype:
+    """The torch dtype to run in; clear error for unknown names or unsupported pairs.
+    packed_gguf: whether the weights are a GGUF file's blocks kept packed, asked only where
+    "auto" depends on it (it may have to load the packed kernels to tell)."""
     device = torch.device(device)
     if dtype is None or dtype == "auto":
-        return _default_dtype(device)
+        return _default_dtype(device, packed_gguf)
     resolved = dtype if isinstance(dtype, torch.dtype) else _NAMES.get(str(dtype).removeprefix("torch."))
     if resolved is None:
         raise ValueError(f"dtype {dtype!r} is not known; use one of {sorted(_NAMES)} or 'auto'")
@@ -35,7 +47,22 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str) -
     return resolved
 
 
-def _default_dtype(device: torch.device) -> torch.dtype:
+def _default_dtype(device: torch.device, packed_gguf: Callable[[], bool]) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16
+    return torch.bfloat16 if cpu_has_bf16_arithmetic() or packed_gguf() else torch.float32
+
+
+@cache
+def cpu_has_bf16_arithmetic() -> bool:
+    """Whether this CPU multiplies bf16 in hardware: AMX or AVX-512 BF16 on x86, the BF16
+    extension on Arm. Elsewhere (AVX2-only x86, older Arm) a bf16 GEMM is widened to float32
+    element by element and runs several times slower than the float32 GEMM itself."""
+    if platform.machine() in ("x86_64", "AMD64", "i386", "i686"):
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(line.startswith("Features") and " bf16" in f" {line.split(':', 1)[-1]}"
+               for line in text.splitlines())

@@ -92,8 +92,10 @@ TABLE: tuple[Setting, ...] = (
             "A folder whose tokenizer replaces the model's own (for a GGUF file it must have "
             "the file's vocabulary).", nullable=True, default_text="the model's own"),
     Setting("dtype", "choice", "auto", MODEL, True,
-            "Compute dtype; auto = bfloat16 (float16 on GPUs without bf16). float32 for exact "
-            "comparisons.", choices=("auto", "float32", "bfloat16", "float16"), commands=ALL_COMMANDS),
+            "Compute dtype; auto = bfloat16 on CPUs that multiply bf16 in hardware (AMX, "
+            "AVX-512 BF16, Arm BF16) and for GGUF weights kept packed, float32 on other CPUs, "
+            "float16 on GPUs without bf16. float32 for exact comparisons.",
+            choices=("auto", "float32", "bfloat16", "float16"), commands=ALL_COMMANDS),
     Setting("device", "device", "auto", MODEL, True,
             "auto (CUDA when available, else CPU), cpu, cuda or cuda:N.", commands=ALL_COMMANDS),
     Setting("weights", "choice", "auto", MODEL, True,

@@ -15,8 +15,9 @@ Three kernels, chosen by the number of rows (bench/bench_gguf_gemm.py measures t
    which computes what the dequantized bf16 path computes (from a few dozen rows on, with the
    dense GEMM's own micro-tiles; in the amx_bf16 library, with the dense AMX GEMM's own tile
    products);
- - from dequantize_min_rows() on: the weight dequantized to bf16 for the call and the dense
-   GEMM, whose blocking wins on many rows.
+ - from dequantize_min_rows() on: the weight dequantized for the call (to bf16 where the CPU
+   multiplies bf16 in hardware and the run is bf16, else to float32) and the dense GEMM, whose
+   blocking wins on many rows.
 Batch-invariant mode keeps the int8 kernels at every row count, so that a row's result does not
 depend on how many rows share its batch.
 """
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from pagedgen.kernels.cpu import gguf as gguf_kernels
+from pagedgen.model.dtypes import cpu_has_bf16_arithmetic
 from pagedgen.model.layers.dense_linear import AVX512_MAX_ROWS, dense_linear, pack_weight
 
 
@@ -127,7 +129,7 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     rounded_in_kernel = round_to_bf16 and bias is None
     if rows.shape[0] >= dequantize_min_rows(weight.library) \
             and not weight.invariant:
-        out = dequantized_linear(rows.to(torch.bfloat16), weight)
+        out = dequantized_linear(rows, weight)
     else:
         out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
         tiles_from = 0 if weight.invariant else tiles_min_rows(
@@ -146,12 +148,19 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
 
 
 def dequantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """x @ W^T (bf16 x) with W dequantized to bf16 for this call and run as the dense model's
-    layers run theirs: packed (one pass at memory speed) for our GEMM where the CPU has one,
-    so the same kernel and form, else F.linear (whose oneDNN reorders it per call all the
-    same)."""
-    dense = dequantized(weight, torch.bfloat16)
-    return dense_linear(x, dense, None, pack_weight(dense))
+    """x @ W^T with W dequantized for this call and run as the dense model's layers run theirs:
+    in bf16 where x is bf16 and the CPU multiplies bf16 in hardware, packed (one pass at memory
+    speed) for our GEMM where the CPU has one, so the same kernel and form, else F.linear
+    (whose oneDNN reorders it per call all the same); otherwise in float32 (float32 runs, and
+    CPUs whose bf16 GEMM would be emulated: several times slower than their float32 one)."""
+    dtype = dense_dtype(x.dtype)
+    dense = dequantized(weight, dtype)
+    return dense_linear(x.to(dtype), dense, None, pack_weight(dense))
+
+
+def dense_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the large-row route's GEMM for activations of x_dtype."""
+    return torch.bfloat16 if x_dtype == torch.bfloat16 and cpu_has_bf16_arithmetic() else torch.float32
 
 
 def dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -21,7 +21,7 @@ from pagedgen.model.loading import tokenizer as tokenizers
 from pagedgen.model.loading.size_check import (GGUF_MIN_BYTES_PER_WEIGHT,
                                                SAFETENSORS_MIN_BYTES_PER_WEIGHT,
                                                check_config_fits_files)
-from pagedgen.model.loading.source import locate_model
+from pagedgen.model.loading.source import ModelSource, locate_model
 from pagedgen.model.loading.weights import load_weights
 
 
@@ -59,8 +59,8 @@ def load_model(model: str | Path | None, dtype: str | torch.dtype | None = None,
     """
     _check_weights_format(weights)
     device = torch.device(resolve_device(device))
-    run_dtype = resolve_dtype(dtype, device)
     source = locate_model(model)
+    run_dtype = resolve_dtype(dtype, device, lambda: stays_packed(source, weights, device))
     with load_errors_named(source.path):
         if source.kind == "hf":
             if weights == "packed":
@@ -69,6 +69,15 @@ def load_model(model: str | Path | None, dtype: str | torch.dtype | None = None,
             return _load_hf_folder(source.path, run_dtype, device, tokenizer)
         return _load_gguf(source.path, run_dtype, device, source.name, tokenizer,
                           weights or "auto")
+
+
+def stays_packed(source: ModelSource, weights: str | None, device: torch.device | str) -> bool:
+    """Whether a model source's weights stay GGUF blocks whatever the dtype turns out to be:
+    asked for, or "auto" where the packed kernels decode in registers (_resolve_auto keeps
+    those packed in bfloat16, the dtype "auto" then takes)."""
+    if source.kind != "gguf" or torch.device(device).type != "cpu":
+        return False
+    return weights == "packed" or (weights in (None, "auto") and gguf_packed.fast_packed_kernels())
 
 
 def _check_weights_format(weights: str | None) -> None:
