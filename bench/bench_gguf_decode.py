@@ -30,10 +30,13 @@ PROMPT_TOKENS = 64
 
 
 def pagedgen_rate(path: Path, prompt: list[int], weights: str, threads: int, new_tokens: int,
-                  repeats: int) -> float:
+                  repeats: int) -> tuple[float, str]:
+    """Decode tok/s and the dtype it ran in: "auto", what a user gets (bf16 for packed
+    blocks; for the dequantized model bf16 where the CPU multiplies bf16 in hardware, else
+    float32, whose GEMM is the faster one there)."""
     from pagedgen import LLM, SamplingParams
 
-    llm = LLM(str(path), weights=weights, dtype="bfloat16", threads=threads, seed=0)
+    llm = LLM(str(path), weights=weights, dtype="auto", threads=threads, seed=0)
 
     def timed(tokens: int) -> float:
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
@@ -43,7 +46,7 @@ def pagedgen_rate(path: Path, prompt: list[int], weights: str, threads: int, new
 
     timed(new_tokens + 1)  # warm-up: kernels built and caches touched
     rates = [new_tokens / (timed(new_tokens + 1) - timed(1)) for _ in range(repeats)]
-    return statistics.median(rates)
+    return statistics.median(rates), str(llm.loaded.dtype).removeprefix("torch.")
 
 
 def llama_rate(python: str, path: Path, prompt: list[int], threads: int, new_tokens: int,
@@ -92,10 +95,12 @@ def main() -> None:
         path = model_path(name, args.llama_python)
         prompt = load_gguf_tokenizer(path)(_text(), add_special_tokens=False)["input_ids"][:PROMPT_TOKENS]
         for threads in (int(t) for t in args.threads.split(",")):
-            rates = {w: pagedgen_rate(path, prompt, w, threads, args.new_tokens, args.repeats)
-                     for w in ("packed", "dequantized")}
-            line = (f"{path.name} threads {threads}: packed {rates['packed']:.1f} tok/s, "
-                    f"dequantized {rates['dequantized']:.1f} "
+            runs = {w: pagedgen_rate(path, prompt, w, threads, args.new_tokens, args.repeats)
+                    for w in ("packed", "dequantized")}
+            rates = {w: rate for w, (rate, _) in runs.items()}
+            line = (f"{path.name} threads {threads}: packed ({runs['packed'][1]}) "
+                    f"{rates['packed']:.1f} tok/s, dequantized ({runs['dequantized'][1]}) "
+                    f"{rates['dequantized']:.1f} "
                     f"(packed/dequantized {rates['packed'] / rates['dequantized']:.2f}x)")
             if args.llama_python:
                 llama = llama_rate(args.llama_python, path, prompt, threads, args.new_tokens,
