@@ -324,7 +324,8 @@ def workload_json(args, workload: Workload, floor: Floor, lines: list[str], runs
             "prompt_tokens": workload.prompt_tokens, "generated_tokens": workload.generated_tokens,
             "floor_flops": floor.flops, "gemm_flop_s": floor.gemm_flop_s, "floor_bytes": floor.bytes,
             "bandwidth_bytes_s": floor.bytes_s, "floor_compute_s": floor.compute_seconds,
-            "floor_memory_s": floor.memory_seconds, "floor_steps": floor.steps, "floor_s": floor.seconds, "floor_bound": floor.bound}
+            "floor_memory_s": floor.memory_seconds, "floor_steps": floor.steps,
+            "floor_s": floor.seconds, "floor_bound": floor.bound}
     return to_json(meta, runs)
 
 

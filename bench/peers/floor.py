@@ -105,7 +105,8 @@ def fewest_steps(shape: ModelShape, workload: Workload, kv_dtype_bytes: float = 
     return max(longest, math.ceil(held / budget_bytes))
 
 
-def _held_bytes(shape: ModelShape, workload: Workload, prompt: int, g: int, kv_dtype_bytes: float) -> float:
+def _held_bytes(shape: ModelShape, workload: Workload, prompt: int, g: int,
+                kv_dtype_bytes: float) -> float:
     """K/V bytes one request holds, summed over its steps 0..g-1 (at step s each sample has s
     tokens of its own beside the prompt); sliding layers hold at most `window` tokens of each."""
     own = prompt - workload.shared_prefix_len

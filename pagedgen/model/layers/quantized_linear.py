@@ -160,7 +160,8 @@ def dequantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor
 
 def dense_dtype(x_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the large-row route's GEMM for activations of x_dtype."""
-    return torch.bfloat16 if x_dtype == torch.bfloat16 and cpu_has_bf16_arithmetic() else torch.float32
+    bf16 = x_dtype == torch.bfloat16 and cpu_has_bf16_arithmetic()
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 def dequantized(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
