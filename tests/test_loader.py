@@ -194,6 +194,14 @@ def test_dtype_resolution(monkeypatch):
         resolve_dtype("float8", "cpu")
 
 
+def test_arm_bf16_is_read_from_cpuinfo_features(monkeypatch):
+    monkeypatch.setattr(dtypes.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(dtypes, "cpuinfo_value", lambda key: "fp asimd sve bf16 i8mm")
+    assert dtypes.cpu_has_bf16_arithmetic.__wrapped__()
+    monkeypatch.setattr(dtypes, "cpuinfo_value", lambda key: "fp asimd svebf16x")
+    assert not dtypes.cpu_has_bf16_arithmetic.__wrapped__()
+
+
 # --- GGUF: Q/K row order ------------------------------------------------------------------
 
 def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:

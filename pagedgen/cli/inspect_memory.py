@@ -169,9 +169,10 @@ def sizing_for_config(config: Any, seq_lens: Sequence[int] = ()) -> dict[str, An
     config = config.engine
     device = resolve_device(config.device)
     shape = read_model_shape(config.model)
-    packed = lambda: stays_packed(locate_model(config.model), config.weights, device)  # noqa: E731
+    source = locate_model(config.model)
     dtype = str(resolve_dtype(None if config.dtype == "auto" else config.dtype, device,
-                              packed)).removeprefix("torch.")
+                              lambda: stays_packed(source, config.weights, device))
+                ).removeprefix("torch.")
     kv = KVShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype,
                  config.kv_cache_dtype, shape.layer_windows)
     size = dict(kv_memory_bytes=config.kv_memory, num_blocks=config.num_blocks, device=device)
@@ -187,7 +188,7 @@ def sizing_for_config(config: Any, seq_lens: Sequence[int] = ()) -> dict[str, An
     sizing = pool_sizing(kv, config.block_size, max_model_len, **size)
     lengths = list(seq_lens) or [n for n in DEFAULT_SEQ_LENS if n < max_model_len] + [max_model_len]
     return {**sizing_dict(sizing, lengths, shape.name), "device": device,
-            "weights": weights_dict(locate_model(config.model), dtype, device)}
+            "weights": weights_dict(source, dtype, device)}
 
 
 def weights_dict(source: Any, dtype: str, device: str) -> dict[str, Any]:

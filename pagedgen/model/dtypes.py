@@ -16,9 +16,10 @@ from __future__ import annotations
 import platform
 from collections.abc import Callable
 from functools import cache
-from pathlib import Path
 
 import torch
+
+from pagedgen.model.cpuinfo import cpuinfo_value
 
 _NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -60,9 +61,4 @@ def cpu_has_bf16_arithmetic() -> bool:
     element by element and runs several times slower than the float32 GEMM itself."""
     if platform.machine() in ("x86_64", "AMD64", "i386", "i686"):
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(line.startswith("Features") and " bf16" in f" {line.split(':', 1)[-1]}"
-               for line in text.splitlines())
+    return "bf16" in cpuinfo_value("Features").split()

@@ -24,31 +24,21 @@ depend on how many rows share its batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from pagedgen.kernels.cpu import gguf as gguf_kernels
+from pagedgen.model.cpuinfo import cpuinfo_value
 from pagedgen.model.dtypes import cpu_has_bf16_arithmetic
 from pagedgen.model.layers.dense_linear import AVX512_MAX_ROWS, dense_linear, pack_weight
-
-
-def _cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD), '' where there is none."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                 if line.startswith("vendor_id")), "")
 
 
 # bf16 rows: int8 kernels below, bf16 tiles from here (AVX-512 BF16). The crossover is measured
 # per CPU kind (bench/GGUF_FIGURES.md): 4 rows on AMD Zen 4; on Intel Xeon (Sapphire / Emerald
 # Rapids, the tiles' float32 form) 8. Projections of K-quants only cross later, since their
 # int8 kernel sums whole super-blocks in integers: 10 rows on AMD Zen 4, 16 on those Xeons.
-_INTEL = _cpu_vendor() == "GenuineIntel"
+_INTEL = cpuinfo_value("vendor_id") == "GenuineIntel"
 BF16_TILES_MIN_ROWS = 8 if _INTEL else 4
 BF16_TILES_MIN_ROWS_K_QUANTS = 16 if _INTEL else 10
 # The amx_bf16 library's tiles multiply on the tile unit, so only the decode is left to pay:
@@ -148,18 +138,17 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
 
 
 def dequantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """x @ W^T with W dequantized for this call and run as the dense model's layers run theirs:
-    in bf16 where x is bf16 and the CPU multiplies bf16 in hardware, packed (one pass at memory
-    speed) for our GEMM where the CPU has one, so the same kernel and form, else F.linear
-    (whose oneDNN reorders it per call all the same); otherwise in float32 (float32 runs, and
-    CPUs whose bf16 GEMM would be emulated: several times slower than their float32 one)."""
+    """x @ W^T with W dequantized for this call (in dense_dtype) and run as the dense model's
+    layers run theirs: bf16 packed for our GEMM where the CPU has one, else F.linear."""
     dtype = dense_dtype(x.dtype)
     dense = dequantized(weight, dtype)
     return dense_linear(x.to(dtype), dense, None, pack_weight(dense))
 
 
 def dense_dtype(x_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the large-row route's GEMM for activations of x_dtype."""
+    """The dtype of the large-row route's GEMM for activations of x_dtype: bf16 only where the
+    CPU multiplies bf16 in hardware; float32 runs, and CPUs whose bf16 GEMM would be emulated
+    (several times slower than their float32 one), multiply in float32."""
     bf16 = x_dtype == torch.bfloat16 and cpu_has_bf16_arithmetic()
     return torch.bfloat16 if bf16 else torch.float32
 
