@@ -365,8 +365,14 @@ def test_the_memory_report_counts_onednn_packed_weights(monkeypatch):
 
     monkeypatch.setenv("PAGEDGEN_NATIVE_GEMM", "0")
     loaded = load_model(str(tiny_model_dir("llama")), dtype=torch.bfloat16, device="cpu")
+    model = loaded.model
+    parameters = 2 * sum(t.numel() for t in (*model.parameters(), *model.buffers()))
     ModelRunner(loaded, EngineConfig(block_size=BLOCK_SIZE, num_blocks=8))
     held = weight_bytes(loaded.model)
-    parameters = sum(p.numel() for p in loaded.model.parameters())
-    assert held.plain_bytes >= 2 * parameters
-    assert held.repacked_bytes > 0 or loaded.model.layers[0].attention.qkv_packed is None
+    if model.layers[0].attention.qkv_packed is None:  # a torch build without oneDNN
+        assert held.plain_bytes == parameters
+        return
+    # oneDNN's packing takes every row count: the plain projections give way to it, so the
+    # packed copies are counted and the weights are held once.
+    assert held.repacked_bytes > 0
+    assert parameters <= held.total_bytes <= parameters + 2 * model.embed_weight.numel()

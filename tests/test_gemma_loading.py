@@ -19,7 +19,7 @@ from pagedgen.model.loading.gguf_loader import gguf_model_config, iter_gguf_tens
 from pagedgen.model.loading.hf_config import model_config_from_hf
 from pagedgen.model.loading.loader import build_decoder, load_model
 from test_model_parity import pagedgen_greedy, random_prompts
-from tiny_models import hf_config, tiny_hf_model, tiny_loaded_model, tiny_model_dir
+from tiny_models import hf_config, tiny_hf_model, tiny_loaded_model, tiny_model_dir, unpacked_tiny_model
 
 # A Gemma 3 4B-like text config as transformers 4.x wrote it: global RoPE scaled, local base
 # apart, the layer pattern as an integer.
@@ -155,7 +155,7 @@ def test_tiny_gemma_gguf_loads_like_its_safetensors_twin(tmp_path):
     write_tiny_gemma_gguf(path)
     reader = read_gguf(path)
     config = gguf_model_config(reader)
-    expected = tiny_loaded_model("gemma3")
+    expected = unpacked_tiny_model("gemma3")
     assert config.layer_types == expected.config.layer_types
     assert config.sliding_window == expected.config.sliding_window
     assert [config.rope_of(i) for i in range(8)] == [expected.config.rope_of(i) for i in range(8)]

@@ -26,7 +26,8 @@ from pagedgen.model.loading.loader import build_decoder, load_model
 from pagedgen.model.runtime.runner import ModelRunner
 from pagedgen.settings import EngineConfig
 from pagedgen.model.loading.weights import WeightLoadError
-from tiny_models import gguf_name, hf_config, tiny_hf_model, tiny_loaded_model, tiny_model_dir
+from tiny_models import (gguf_name, hf_config, tiny_hf_model, tiny_loaded_model, tiny_model_dir,
+                         unpacked_tiny_model)
 
 BASE = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=96,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -372,7 +373,7 @@ def test_tiny_gguf_loads_like_its_safetensors_twin(tmp_path, arch, gguf_arch, ti
     write_tiny_gguf(path, arch, gguf_arch, tied)
     reader = read_gguf(path)
     config = gguf_model_config(reader)
-    expected = tiny_loaded_model(arch, tied)
+    expected = unpacked_tiny_model(arch, tied)
     assert config.rms_norm_eps == pytest.approx(expected.config.rms_norm_eps)  # stored as float32
     assert replace(config, rms_norm_eps=expected.config.rms_norm_eps) == expected.config
     decoder = build_decoder(config, iter_gguf_tensors(reader, config), torch.float32, torch.device("cpu"))

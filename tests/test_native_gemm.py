@@ -66,9 +66,9 @@ def test_linear_dispatch_amx_for_small_batches_f_linear_above():
 
 
 def test_unpackable_weights_use_f_linear():
-    weight = torch.randn(8, 8)
-    assert pack_weight(weight) is None  # float32: nothing to pack
-    x = torch.randn(3, 8)
+    weight = torch.randn(8, 8, dtype=torch.float64)
+    assert pack_weight(weight) is None  # float64: no packing for it
+    x = torch.randn(3, 8, dtype=torch.float64)
     assert torch.equal(linear(x, weight), F.linear(x, weight))
     if native.load() is not None:
         assert native.gemm_pack(torch.randn(10, 64).to(torch.bfloat16)) is None  # 10 % 16 != 0

@@ -175,7 +175,15 @@ def tiny_hf_model(arch: str = "llama", tied: bool = False, seed: int = 0,
 @functools.cache
 def tiny_loaded_model(arch: str = "llama", tied: bool = False, dtype: torch.dtype = torch.float32,
                       seed: int = 0, max_position_embeddings: int = MAX_POSITIONS):
-    """pagedgen's LoadedModel of tiny_model_dir(...) on CPU. Shared: do not modify it."""
+    """pagedgen's LoadedModel of tiny_model_dir(...) on CPU. Shared: do not modify it. A runner
+    packs its weights (float32 ones then live in the packing alone): to read them, see
+    unpacked_tiny_model."""
+    return unpacked_tiny_model(arch, tied, dtype, seed, max_position_embeddings)
+
+
+def unpacked_tiny_model(arch: str = "llama", tied: bool = False, dtype: torch.dtype = torch.float32,
+                        seed: int = 0, max_position_embeddings: int = MAX_POSITIONS):
+    """A LoadedModel of its own, as loaded: no runner has packed its weights."""
     from pagedgen.model.loading.loader import load_model
 
     folder = tiny_model_dir(arch, tied, seed, max_position_embeddings)

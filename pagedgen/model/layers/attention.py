@@ -23,7 +23,7 @@ from torch import nn
 
 from pagedgen.model.config import ModelConfig
 from pagedgen.model.layers.norm_mlp import NORMS, empty_parameter
-from pagedgen.model.layers.linear import linear, pack_weight
+from pagedgen.model.layers.linear import linear, pack_releasing
 from pagedgen.model.layers.rope import apply_rope
 
 
@@ -99,8 +99,8 @@ class PagedSelfAttention(nn.Module):
         self.qkv_packed = self.o_packed = None  # set by pack_weights()
 
     def pack_weights(self, row_tiled: bool = False) -> None:
-        self.qkv_packed = pack_weight(self.qkv_weight, row_tiled=row_tiled)
-        self.o_packed = pack_weight(self.o_weight, row_tiled=row_tiled)
+        self.qkv_packed = pack_releasing(self, "qkv_weight", self.qkv_packed, row_tiled)
+        self.o_packed = pack_releasing(self, "o_weight", self.o_packed, row_tiled)
 
     def forward(self, hidden: torch.Tensor, step: StepMetadata, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, scales: torch.Tensor | None = None,

@@ -18,7 +18,7 @@ from torch import nn
 from pagedgen.model.config import ModelConfig
 from pagedgen.model.layers.attention import PagedSelfAttention, StepMetadata
 from pagedgen.model.layers.fused_decode import FusedDecode
-from pagedgen.model.layers.linear import linear_float32, pack_weight
+from pagedgen.model.layers.linear import linear_float32, pack_releasing, pack_weight
 from pagedgen.model.layers.norm_mlp import GatedMLP, RMSNorm, empty_parameter
 from pagedgen.model.layers.quantized_linear import embedding_rows
 from pagedgen.model.layers.rope import rope_indices, rope_table, split_rope_rows
@@ -87,10 +87,16 @@ class Decoder(nn.Module):
             for layer in self.layers:
                 layer.attention.pack_weights(row_tiled=batch_invariant)
                 layer.mlp.pack_weights(row_tiled=batch_invariant)
-            self.lm_head_packed = pack_weight(self.lm_head_weight, row_tiled=batch_invariant)
+            self.lm_head_packed = self.pack_lm_head(batch_invariant)
         windows = [layer.attention.window for layer in self.layers]
         self.fused_decode = None if batch_invariant else FusedDecode.build(
             self.config, self.layers, windows if any(windows) else None)
+
+    def pack_lm_head(self, row_tiled: bool) -> object | None:
+        """The LM head's dense packing; a tied head keeps the table the look-ups read."""
+        if self.is_tied:
+            return pack_weight(self.lm_head_weight, row_tiled=row_tiled)
+        return pack_releasing(self, "lm_head_weight", self.lm_head_packed, row_tiled)
 
     def reset_rope_table(self) -> None:
         """(Re)compute the RoPE table on the weights' device and dtype."""

@@ -1,5 +1,5 @@
-"""The dense projection GEMM on CPU in bfloat16 with weights repacked once (linear.py says
-which packing and why): the packing, and the product through it. Its own module so that
+"""The dense projection GEMM on CPU with weights repacked once (linear.py says which packing
+and why): the packing, and the product through it. Its own module so that
 quantized_linear.py, whose large-row route runs a GGUF weight dequantized for the call through
 the same GEMM, does not import linear.py (which imports it)."""
 from __future__ import annotations
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pagedgen.kernels.cpu import backend as cpu_backend
 from pagedgen.model.layers.row_tiles import ROWS, RowTiled
@@ -31,9 +32,12 @@ def pack_weight(weight: torch.Tensor, rows_hint: int = 64, row_tiled: bool = Fal
     row_tiled: wrapped so that every projection runs on fixed-size row tiles."""
     if row_tiled:
         return RowTiled(pack_weight(weight, ROWS))
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
-    kind = cpu_backend.gemm_kind()
+    # Our kernels multiply bf16; float32 weights go to oneDNN, whose packing spares MKL's copy
+    # of the whole weight on every call (F.linear's), which costs as much as a decode step's
+    # products at 1-64 rows.
+    kind = cpu_backend.gemm_kind() if weight.dtype == torch.bfloat16 else None
     ours = None if kind is None else cpu_backend.gemm_pack(weight.detach())
     if ours is not None:
         return PackedWeight(kind, ours, weight.shape[0])
@@ -44,6 +48,30 @@ def pack_weight(weight: torch.Tensor, rows_hint: int = 64, row_tiled: bool = Fal
     except (RuntimeError, AttributeError):  # a torch build without these ops
         return None
     return PackedWeight("onednn", onednn, weight.shape[0])
+
+
+def pack_releasing(module: nn.Module, weight_name: str, current: object | None,
+                   row_tiled: bool = False) -> PackedWeight | RowTiled | None:
+    """pack_weight(module.<weight_name>), and where the product reads nothing but the packing
+    (oneDNN's takes every row count) the plain weight gives way to an empty placeholder, so
+    that the weights are not held twice. A weight released by an earlier packing keeps that
+    packing (`current`), re-wrapped for `row_tiled`. Not for a weight that has other readers
+    (a tied embedding)."""
+    weight = getattr(module, weight_name)
+    if weight.device.type == "meta":
+        inner = current.inner if isinstance(current, RowTiled) else current
+        return RowTiled(inner) if row_tiled else inner
+    packed = pack_weight(weight, row_tiled=row_tiled)
+    inner = packed.inner if isinstance(packed, RowTiled) else packed
+    if isinstance(inner, PackedWeight) and inner.kind == "onednn":
+        setattr(module, weight_name, placeholder_like(weight))
+    return packed
+
+
+def placeholder_like(weight: torch.Tensor) -> nn.Parameter:
+    """An empty [0, in] stand-in, no storage, for a matrix whose rows live elsewhere."""
+    return nn.Parameter(torch.empty(0, weight.shape[1], device="meta", dtype=weight.dtype),
+                        requires_grad=False)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -1,22 +1,28 @@
-"""Dense projections on CPU in bfloat16, with weights repacked once at start-up.
+"""Dense projections on CPU, with weights repacked once at start-up.
 
-Two packings, whichever the CPU has:
+bfloat16 weights get one of two packings, whichever the CPU has:
 - Our kernels' (kernels/cpu/gemm_common.h), one layout for two kernels: AMX
   (kernels/cpu/gemm_amx.c) where the CPU has it, else AVX-512 BF16 (kernels/cpu/gemm_avx512.c);
   used for up to MAX_ROWS[kind] rows (decode steps, small prefills), where the GEMM is bound
   by streaming the weights or by per-call costs and our kernels beat oneDNN through torch
   (bench/FIGURES.md). Larger row counts go to F.linear on the plain weight.
-- oneDNN (`mkldnn._reorder_linear_weight`) where there is no AMX: F.linear reorders the weight
-  on every call, slower for decode-sized GEMMs than packing once.
-Either way only one packed copy is kept next to the plain weight. float32 and other devices
-keep F.linear.
+- oneDNN (`mkldnn._reorder_linear_weight`) where there is neither: F.linear reorders the
+  weight on every call, slower for decode-sized GEMMs than packing once.
+float32 weights get oneDNN's packing: without it F.linear (MKL) copies the whole weight into
+its own layout on every call, as costly as a decode step's products at 1-64 rows.
+
+oneDNN's packing takes every row count, so there the plain weight gives way to a placeholder
+(not a tied embedding table: the look-ups read it) and the weights are held once; our kernels'
+packing is kept next to the plain weight, which F.linear reads above MAX_ROWS[kind]. Other
+devices keep F.linear.
 """
 from __future__ import annotations
 
 import torch
 
 from pagedgen.model.layers.dense_linear import (  # noqa: F401  (re-exported)
-    _KERNELS, AMX_MAX_ROWS, AVX512_MAX_ROWS, MAX_ROWS, PackedWeight, dense_linear, pack_weight)
+    _KERNELS, AMX_MAX_ROWS, AVX512_MAX_ROWS, MAX_ROWS, PackedWeight, dense_linear, pack_releasing,
+    pack_weight, placeholder_like)
 from pagedgen.model.layers.quantized_linear import QuantizedWeight, quantized_linear
 from pagedgen.model.layers.row_tiles import RowTiled, in_row_tiles
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedgen.kernels.cpu import backend as cpu_backend
-from pagedgen.model.layers.linear import linear, pack_weight
+from pagedgen.model.layers.linear import linear, pack_releasing
 
 
 def empty_parameter(*shape: int) -> nn.Parameter:
@@ -81,8 +81,8 @@ class GatedMLP(nn.Module):
         self.gate_up_packed = self.down_packed = None  # set by pack_weights()
 
     def pack_weights(self, row_tiled: bool = False) -> None:
-        self.gate_up_packed = pack_weight(self.gate_up_weight, row_tiled=row_tiled)
-        self.down_packed = pack_weight(self.down_weight, row_tiled=row_tiled)
+        self.gate_up_packed = pack_releasing(self, "gate_up_weight", self.gate_up_packed, row_tiled)
+        self.down_packed = pack_releasing(self, "down_weight", self.down_packed, row_tiled)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight, packed=self.gate_up_packed)

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch import nn
 
 from pagedgen.kernels.cpu import gguf as gguf_kernels
 from pagedgen.model.config import ModelConfig
-from pagedgen.model.layers.linear import pack_weight
+from pagedgen.model.layers.linear import pack_releasing, placeholder_like
 from pagedgen.model.layers.decoder import Decoder
 from pagedgen.model.layers.quantized_linear import QuantizedPart, QuantizedWeight
 from pagedgen.model.loading import gguf_loader
@@ -60,9 +59,10 @@ class PackedGguf:
                 quantized = packed.get(packed_name)
                 setattr(module, packed_name,
                         quantized.with_invariance(batch_invariant) if quantized is not None
-                        else pack_weight(getattr(module, weight_name), row_tiled=batch_invariant))
+                        else pack_releasing(module, weight_name, getattr(module, packed_name),
+                                            batch_invariant))
         decoder.lm_head_packed = (self.lm_head.with_invariance(batch_invariant) if self.lm_head
-                                  else pack_weight(decoder.lm_head_weight, row_tiled=batch_invariant))
+                                  else decoder.pack_lm_head(batch_invariant))
         decoder.fused_decode = None
 
 
@@ -148,18 +148,12 @@ def _single(reader: GgufFile, name: str, library, hf_names: set[str]) -> Quantiz
 
 def _drop_dense_storage(decoder: Decoder, packed: PackedGguf) -> None:
     """Packed matrices get an empty [0, in] placeholder instead of dense storage."""
-    def placeholder(columns: int) -> nn.Parameter:
-        return nn.Parameter(torch.empty(0, columns, device="meta", dtype=dtype), requires_grad=False)
-
-    dtype = decoder.embed_weight.dtype
-
     for layer, weights in zip(decoder.layers, packed.layers):
         for module_name, weight_name, packed_name, _ in _LAYER_GROUPS:
             if packed_name in weights:
                 module = getattr(layer, module_name)
-                setattr(module, weight_name, placeholder(getattr(module, weight_name).shape[1]))
-    hidden = decoder.config.hidden_size
+                setattr(module, weight_name, placeholder_like(getattr(module, weight_name)))
     if packed.embedding is not None:
-        decoder.embed_weight = placeholder(hidden)
+        decoder.embed_weight = placeholder_like(decoder.embed_weight)
     if packed.lm_head is not None and not decoder.config.tie_word_embeddings:
-        decoder.lm_head_weight = placeholder(hidden)
+        decoder.lm_head_weight = placeholder_like(decoder.lm_head_weight)
