@@ -77,7 +77,7 @@ class Decoder(nn.Module):
         self.gguf_packed = self.embed_packed = None
 
     def pack_weights(self, batch_invariant: bool = default("batch_invariant")) -> None:
-        """Prepack the projection weights for the device's GEMM library (CPU bf16 only).
+        """Prepack the projection weights for the device's GEMM library (CPU).
 
         batch_invariant: every projection on fixed-size row tiles (model/layers/row_tiles.py)
         and no fused decode step (its kernels' shapes follow the batch)."""
