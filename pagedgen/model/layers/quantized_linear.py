@@ -142,7 +142,10 @@ def dequantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor
     layers run theirs: bf16 packed for our GEMM where the CPU has one, else F.linear."""
     dtype = dense_dtype(x.dtype)
     dense = dequantized(weight, dtype)
-    return dense_linear(x.to(dtype), dense, None, pack_weight(dense))
+    # A float32 weight made for one call is not worth oneDNN's reorder: F.linear's own copy of
+    # it is part of the crossover measured for this route.
+    packed = pack_weight(dense) if dtype == torch.bfloat16 else None
+    return dense_linear(x.to(dtype), dense, None, packed)
 
 
 def dense_dtype(x_dtype: torch.dtype) -> torch.dtype:
