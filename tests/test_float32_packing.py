@@ -2,7 +2,6 @@
 stay float32, and the plain weight is held once, not beside its packed copy."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pagedgen.settings import EngineConfig
 from pagedgen.model.layers.linear import PackedWeight, linear, pack_weight

@@ -59,13 +59,16 @@ def pack_releasing(module: nn.Module, weight_name: str, current: object | None,
     (a tied embedding)."""
     weight = getattr(module, weight_name)
     if weight.device.type == "meta":
-        inner = current.inner if isinstance(current, RowTiled) else current
-        return RowTiled(inner) if row_tiled else inner
+        return RowTiled(_untiled(current)) if row_tiled else _untiled(current)
     packed = pack_weight(weight, row_tiled=row_tiled)
-    inner = packed.inner if isinstance(packed, RowTiled) else packed
+    inner = _untiled(packed)
     if isinstance(inner, PackedWeight) and inner.kind == "onednn":
         setattr(module, weight_name, placeholder_like(weight))
     return packed
+
+
+def _untiled(packed: object | None) -> object | None:
+    return packed.inner if isinstance(packed, RowTiled) else packed
 
 
 def placeholder_like(weight: torch.Tensor) -> nn.Parameter:
