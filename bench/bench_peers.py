@@ -85,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "max_tokens); default with --model default: samples/prompts.jsonl if present")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--peer-dtype", default=None, choices=["bfloat16", "float32"],
+                   help="the dtype of every engine but pagedgen's (default: --dtype): on a CPU "
+                        "without bf16 arithmetic a peer's bf16 is emulated and float32 is its "
+                        "faster choice; the floor stays at --dtype, the smaller one")
     p.add_argument("--kv-gib", type=float, default=2.0, help="KV cache budget given to every engine")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV cache format for every engine: auto, int8, fp8_e4m3, fp8_e5m2 "
@@ -177,12 +181,16 @@ def gguf_file(args: argparse.Namespace) -> Path | None:
     return model_path(GGUF_FILES[args.model], args.llama_python and str(args.llama_python))
 
 
+def engine_dtype(engine: str, args: argparse.Namespace) -> str:
+    return args.dtype if engine.startswith("pagedgen") or args.peer_dtype is None else args.peer_dtype
+
+
 def runner_command(engine: str, python: Path, args: argparse.Namespace, model_dir: Path,
                    workload: Workload, workload_path: Path, work_dir: Path) -> list[str]:
     model = args.gguf if args.gguf is not None and engine in GGUF_ENGINES else model_dir
     command = [str(python), str(BENCH_DIR / "peers" / RUNNERS[engine]), "--model", str(model),
                "--workload", str(workload_path), "--tokens-out", str(work_dir / f"{engine}.tokens.json"),
-               "--threads", str(args.threads), "--dtype", args.dtype,
+               "--threads", str(args.threads), "--dtype", engine_dtype(engine, args),
                "--kv-gib", repr(kv_gib(args, workload)), "--kv-cache-dtype", args.kv_cache_dtype]
     if engine == "vllm" and args.vllm_eager:
         command.append("--eager")
@@ -262,7 +270,9 @@ def header_lines(args, model_dir: Path, cpu: CpuInfo, gemm_flop_s: float,
         f"pagedgen vs peers — {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}, "
         f"{os.cpu_count()} CPUs, load average before the run {load}",
         cpu.summary(),
-        f"threads {args.threads}, dtype {args.dtype}, KV budget {args.kv_gib:g} GiB per engine "
+        f"threads {args.threads}, dtype {args.dtype}"
+        + ("" if args.peer_dtype is None else f" (peers: {args.peer_dtype})")
+        + f", KV budget {args.kv_gib:g} GiB per engine "
         f"(unless the workload sets its own), kv_cache_dtype {args.kv_cache_dtype}, ignore_eos",
         f"model {model_dir}" + ("" if args.gguf is None else
                                 f"; GGUF engines ({', '.join(GGUF_ENGINES)}) run {args.gguf}"),
@@ -363,7 +373,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         document = {"header": header + kernel_path_lines(suite), "cpu_model": cpu.model,
                     "cpu_features": cpu.features, "copy_bytes_s": copy_bytes_s,
-                    "threads": args.threads, "dtype": args.dtype, "model": str(model_dir),
+                    "threads": args.threads, "dtype": args.dtype,
+                    "peer_dtype": args.peer_dtype or args.dtype, "model": str(model_dir),
                     "workloads": results}
         args.json.write_text(json.dumps(document, indent=2))
         print(f"results saved to {args.json}")

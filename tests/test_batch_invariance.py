@@ -117,7 +117,12 @@ def test_row_tiles_give_each_row_the_same_bits_for_any_row_count():
 
 def test_the_default_path_is_not_batch_invariant():
     """Why the switch exists: without it, chunked prefill changes bf16 outputs (the flash
-    prefill kernel and the decode kernel round differently). Deterministic on one machine."""
+    prefill kernel and the decode kernel round differently, and the AMX and AVX-512 GEMMs
+    change their summation order with the row count). Deterministic on one machine."""
+    from pagedgen.kernels.cpu import native
+    if native.gemm_kind() == "avx2":
+        pytest.skip("the AVX2 GEMM sums in one order at every row count: on this CPU kind "
+                    "these requests come out bitwise alike without the switch")
     single = _llm(batch_invariant=False, enable_prefix_caching=False)
     alone = {i: _run(single, [i])[i] for i in range(len(PROMPTS))}
     chunked = _run(_llm(batch_invariant=False, max_num_batched_tokens=5, max_num_seqs=5),

@@ -243,6 +243,22 @@ def test_a_workload_budget_goes_to_every_engine(tmp_path):
         bench_peers.parse_args(["--suite", "w65"])
 
 
+def test_peer_dtype_goes_to_every_engine_but_pagedgen(tmp_path):
+    import bench_peers
+
+    args = bench_peers.parse_args(["--dtype", "bfloat16", "--peer-dtype", "float32"])
+    w64 = suite()["w64"]
+    for engine in bench_peers.RUNNERS:
+        command = bench_peers.runner_command(engine, Path(sys.executable), args, tmp_path, w64,
+                                             tmp_path / "w.json", tmp_path)
+        expected = "bfloat16" if engine.startswith("pagedgen") else "float32"
+        assert command[command.index("--dtype") + 1] == expected
+    alike = bench_peers.parse_args(["--dtype", "float32"])
+    command = bench_peers.runner_command("vllm", Path(sys.executable), alike, tmp_path, w64,
+                                         tmp_path / "w.json", tmp_path)
+    assert command[command.index("--dtype") + 1] == "float32"
+
+
 def test_suite_runs_end_to_end_for_pagedgen(tmp_path):
     """The workload with the most engine features (n = 8 at temperature 1, forks) through the
     real driver and runner processes, on a tiny model, --quick scale. (All six take ~40 s on a

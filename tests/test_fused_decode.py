@@ -329,7 +329,7 @@ def test_gemma_engine_outputs_do_not_depend_on_the_fused_step(monkeypatch):
     # steps did run fused.
     from pagedgen import LLM, SamplingParams
 
-    if native.gemm_kind() is None:
+    if native.gemm_kind() not in ("amx", "avx512"):  # dense bf16 weights fuse on these only
         pytest.skip("no fused decode here (needs the native kernels and AMX or AVX-512 BF16)")
     prompts = [list(range(20, 25)), list(range(30, 67))]
     params = SamplingParams(n=3, temperature=0.8, top_p=0.95, max_tokens=24, seed=7,

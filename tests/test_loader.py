@@ -183,7 +183,11 @@ def test_dtype_resolution(monkeypatch):
     assert resolve_dtype(None, "cpu") == torch.bfloat16
     assert resolve_dtype("auto", "cpu") == torch.bfloat16
     monkeypatch.setattr(dtypes, "cpu_has_bf16_arithmetic", lambda: False)
-    # No bf16 hardware: float32, except for GGUF blocks kept packed (the int8 kernels).
+    # No bf16 hardware: bf16 where our AVX2 GEMM runs, else float32, except for GGUF blocks
+    # kept packed (the int8 kernels).
+    monkeypatch.setattr(dtypes, "cpu_has_bf16_gemm_kernel", lambda: True)
+    assert resolve_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(dtypes, "cpu_has_bf16_gemm_kernel", lambda: False)
     assert resolve_dtype("auto", "cpu") == torch.float32
     assert resolve_dtype("auto", "cpu", packed_gguf=lambda: True) == torch.bfloat16
     assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16   # asked for: given

@@ -26,10 +26,10 @@ from ..kv_quant import gather_dequantized, store_kv_quantized
 # private to this package. Each returns None where it does not apply (another device or dtype,
 # a CPU without the instructions) and the caller runs plain torch.
 from .native import (add_offset_rms_norm, add_rms_norm, amx_linear, argmax_rows,  # noqa: E402
-                     avx512_linear, gelu_tanh_mul, gemm_kind, gemm_pack, kv_code, rope, silu_mul)
+                     avx2_linear, avx512_linear, gelu_tanh_mul, gemm_kind, gemm_pack, kv_code, rope, silu_mul)
 
 __all__ = ["AttentionPlan", "add_offset_rms_norm", "add_rms_norm", "amx_linear", "argmax_rows",
-           "avx512_linear", "copy_blocks", "decode_layers_bf16", "gelu_tanh_mul", "gemm_kind",
+           "avx2_linear", "avx512_linear", "copy_blocks", "decode_layers_bf16", "gelu_tanh_mul", "gemm_kind",
            "gemm_pack", "kv_code", "paged_attention", "plan_attention", "rope", "silu_mul",
            "store_kv"]
 

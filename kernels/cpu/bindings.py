@@ -74,6 +74,8 @@ FUNCTIONS = {f.name: f for f in (
     _function("avx512_linear_bf16", _LINEAR),
     _function("avx512_linear_form", "int form"),
     _function("avx512_linear_wide_min_rows", ""),
+    _function("avx2_gemm_available", ""),
+    _function("avx2_linear_bf16", _LINEAR),
     _function("add_rms_norm_bf16",
               "ptr residual, ptr delta, ptr weight, ptr out, int64_t rows, int64_t dim, "
               "float eps, int num_threads"),

@@ -18,7 +18,8 @@
 
 #include "gemm_common.h"
 
-/* Always compiled: the AVX-512 BF16 kernel (gemm_avx512.c) reads the same layout. */
+/* Always compiled: the AVX-512 BF16 and AVX2 kernels (gemm_avx512.c, gemm_avx2.c) read the
+ * same layout. */
 int amx_pack_weight(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
     if (n % 16 != 0 || k % 32 != 0) return 1;
     const int64_t kblocks = k / 32;

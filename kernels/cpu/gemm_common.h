@@ -1,5 +1,6 @@
-/* What the two skinny bfloat16 GEMMs share (gemm_amx.c on the tile unit, gemm_avx512.c
- * with VDPBF16PS): the packed weight layout and the rounding of the float32 sums.
+/* What the skinny bfloat16 GEMMs share (gemm_amx.c on the tile unit, gemm_avx512.c with
+ * VDPBF16PS, gemm_avx2.c with float32 FMAs): the packed weight layout and the rounding of the
+ * float32 sums.
  *
  * Packed layout (amx_pack_weight, always compiled): for each block of 16 output columns, the
  * input pairs in order, each pair as 16 columns x (W[n][2 p], W[n][2 p + 1]): 64 bytes, which

@@ -1,7 +1,8 @@
 """Build-on-first-use loader for the C kernels, one shared library: decode attention
 (decode_attention.c, decode_attention_bf16.c), the fused bf16 elementwise ops
 (fused_ops.c), the KV row store (store_kv.c), the skinny bf16 GEMMs (gemm_amx.c,
-gemm_avx512.c: AMX, else AVX-512 BF16, one weight packing for both) and prefill attention
+gemm_avx512.c, gemm_avx2.c: AMX, else AVX-512 BF16, else AVX2 and FMA, one weight packing for
+all three) and prefill attention
 (prefill_attention_amx.c, prefill_attention_avx512.c, the latter also over 8-bit pools).
 
 The shared library is compiled once per machine with the system C compiler and cached under
@@ -36,6 +37,7 @@ SOURCES = [Path(__file__).with_name(name)
            for name in ("decode_attention.c", "decode_attention_bf16.c",
                         "decode_attention_q8.c", "fused_ops.c",
                         "store_kv.c", "store_kv_q8.c", "gemm_amx.c", "gemm_avx512.c",
+                        "gemm_avx2.c",
                         "decode_step.c",
                         "prefill_attention_amx.c",
                         "prefill_attention_avx512.c")]
@@ -375,14 +377,17 @@ def store_kv_q8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 
 def gemm_kind() -> str | None:
     """The skinny bf16 GEMM this CPU runs on packed weights: "amx", "avx512" (AVX-512 BF16,
-    no AMX), or None (no such CPU, no native library, or PAGEDGEN_NATIVE_GEMM=0, which leaves
-    the projections to torch for comparisons)."""
+    no AMX), "avx2" (AVX2 and FMA, no bf16 arithmetic: widened in registers), or None (no such
+    CPU, no native library, or PAGEDGEN_NATIVE_GEMM=0, which leaves the projections to torch
+    for comparisons)."""
     library = load()
     if library is None or os.environ.get("PAGEDGEN_NATIVE_GEMM", "1") == "0":
         return None
     if library.amx_available():
         return "amx"
-    return "avx512" if library.avx512_bf16_available() else None
+    if library.avx512_bf16_available():
+        return "avx512"
+    return "avx2" if library.avx2_gemm_available() else None
 
 
 def gemm_pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -422,6 +427,14 @@ def avx512_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     """amx_linear with VDPBF16PS (gemm_avx512.c) on the same packing: CPUs with AVX-512
     BF16; None (nothing computed) where it does not apply."""
     return _packed_linear("avx512_linear_bf16", x, packed, out_features, bias, out_dtype)
+
+
+def avx2_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+    """amx_linear with float32 FMAs on weights widened in registers (gemm_avx2.c), same
+    packing: CPUs with AVX2 and FMA; None (nothing computed) where it does not apply."""
+    return _packed_linear("avx2_linear_bf16", x, packed, out_features, bias, out_dtype)
 
 
 def _packed_linear(kernel: str, x: torch.Tensor, packed: torch.Tensor, out_features: int,

@@ -6,10 +6,15 @@
     generation is GEMM-bound and there bf16 GEMMs run several times faster than float32 (step
     times: bench/FIGURES.md). float32 only ties at batch 1, which is not what a batch tool
     runs; it remains the dtype for exact comparisons (tests against transformers use it).
-  * Other CPUs (AVX2-only x86, older Arm): float32, since their bf16 GEMM widens every element
-    and runs several times slower than the float32 one (bench/README.md) — except for a GGUF
-    file whose blocks stay packed: its projections are the int8 kernels either way, and in
-    bf16 the rest of the step (the fused decode step, a KV pool of half the bytes) is faster.
+  * x86 CPUs with AVX2 and FMA but no bf16 arithmetic: bfloat16 too, where our GEMM for them
+    (kernels/cpu/gemm_avx2.c: bf16 weights widened in registers, float32 FMAs) is built: it
+    multiplies as fast as the float32 GEMM and reads half the weight bytes, and the KV pool is
+    half the size (every workload of the suite ran faster: bench/README.md, the AVX2 section).
+  * Other CPUs (older Arm, x86 without that kernel): float32, since torch's bf16 GEMM there
+    widens every element in memory and runs several times slower than the float32 one —
+    except for a GGUF file whose blocks stay packed: its projections are the int8 kernels
+    either way, and in bf16 the rest of the step (the fused decode step, a KV pool of half
+    the bytes) is faster.
 """
 from __future__ import annotations
 
@@ -51,7 +56,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str,
 def _default_dtype(device: torch.device, packed_gguf: Callable[[], bool]) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_bf16_arithmetic() or packed_gguf() else torch.float32
+    if cpu_has_bf16_arithmetic() or cpu_has_bf16_gemm_kernel() or packed_gguf():
+        return torch.bfloat16
+    return torch.float32
+
+
+def cpu_has_bf16_gemm_kernel() -> bool:
+    """Whether one of our bf16 GEMMs runs here (kernels/cpu/native.py: gemm_kind): on CPUs
+    without bf16 arithmetic, the AVX2 one."""
+    from pagedgen.kernels.cpu import backend as cpu_backend  # builds the library on first use
+    return cpu_backend.gemm_kind() is not None
 
 
 @cache

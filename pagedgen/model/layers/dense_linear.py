@@ -15,13 +15,18 @@ from pagedgen.model.layers.row_tiles import ROWS, RowTiled
 
 AMX_MAX_ROWS = 256  # beyond it F.linear catches up, and x no longer fits L2
 AVX512_MAX_ROWS = 2048  # at least as fast as oneDNN and F.linear up to here (bench/bench_gemm.py)
-MAX_ROWS = {"amx": AMX_MAX_ROWS, "avx512": AVX512_MAX_ROWS}  # rows our kernels take, per kind
-_KERNELS = {"amx": cpu_backend.amx_linear, "avx512": cpu_backend.avx512_linear}
+# Every row count: torch's bf16 GEMM on these CPUs (no bf16 arithmetic) is several times slower.
+AVX2_MAX_ROWS = 1 << 62
+MAX_ROWS = {"amx": AMX_MAX_ROWS, "avx512": AVX512_MAX_ROWS, "avx2": AVX2_MAX_ROWS}
+# Packings whose product never falls back to F.linear on the plain weight.
+TAKE_EVERY_ROW_COUNT = ("onednn", "avx2")
+_KERNELS = {"amx": cpu_backend.amx_linear, "avx512": cpu_backend.avx512_linear,
+            "avx2": cpu_backend.avx2_linear}
 
 
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
-    kind: str  # "amx", "avx512" (both: our packing) or "onednn"
+    kind: str  # "amx", "avx512", "avx2" (all three: our packing) or "onednn"
     data: torch.Tensor
     out_features: int
 
@@ -62,7 +67,7 @@ def pack_releasing(module: nn.Module, weight_name: str, current: object | None,
         return RowTiled(_untiled(current)) if row_tiled else _untiled(current)
     packed = pack_weight(weight, row_tiled=row_tiled)
     inner = _untiled(packed)
-    if isinstance(inner, PackedWeight) and inner.kind == "onednn":
+    if isinstance(inner, PackedWeight) and inner.kind in TAKE_EVERY_ROW_COUNT:
         setattr(module, weight_name, placeholder_like(weight))
     return packed
 
@@ -87,7 +92,13 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if kernel is not None:
         if x.shape[0] <= MAX_ROWS[packed.kind]:
             out = kernel(x, packed.data, packed.out_features, bias)
+            if out is None and weight.is_meta:  # a layout the kernel reads, or nothing else can
+                out = kernel(x.to(torch.bfloat16).contiguous(), packed.data, packed.out_features, bias)
             if out is not None:
                 return out
+        if weight.is_meta:
+            raise MemoryError(f"the {packed.kind} GEMM declined a [{x.shape[0]}, {x.shape[1]}] "
+                              "input (out of memory for its widened rows?) and the weight is "
+                              "held only in its packing")
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.data, bias, "none", [], "")

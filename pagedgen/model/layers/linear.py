@@ -1,20 +1,22 @@
 """Dense projections on CPU, with weights repacked once at start-up.
 
 bfloat16 weights get one of two packings, whichever the CPU has:
-- Our kernels' (kernels/cpu/gemm_common.h), one layout for two kernels: AMX
-  (kernels/cpu/gemm_amx.c) where the CPU has it, else AVX-512 BF16 (kernels/cpu/gemm_avx512.c);
-  used for up to MAX_ROWS[kind] rows (decode steps, small prefills), where the GEMM is bound
-  by streaming the weights or by per-call costs and our kernels beat oneDNN through torch
-  (bench/FIGURES.md). Larger row counts go to F.linear on the plain weight.
-- oneDNN (`mkldnn._reorder_linear_weight`) where there is neither: F.linear reorders the
+- Our kernels' (kernels/cpu/gemm_common.h), one layout for three kernels: AMX
+  (kernels/cpu/gemm_amx.c) where the CPU has it, else AVX-512 BF16 (kernels/cpu/gemm_avx512.c),
+  else AVX2 (kernels/cpu/gemm_avx2.c: widened in registers, float32 FMAs); used for up to
+  MAX_ROWS[kind] rows (decode steps, small prefills), where the GEMM is bound by streaming the
+  weights or by per-call costs and our kernels beat oneDNN through torch (bench/FIGURES.md).
+  Larger row counts go to F.linear on the plain weight; the AVX2 kernel takes every row count
+  (torch's bf16 GEMM there is the slow one it replaces).
+- oneDNN (`mkldnn._reorder_linear_weight`) where there is none: F.linear reorders the
   weight on every call, slower for decode-sized GEMMs than packing once.
 float32 weights get oneDNN's packing: without it F.linear (MKL) copies the whole weight into
 its own layout on every call, as costly as a decode step's products at 1-64 rows.
 
-oneDNN's packing takes every row count, so there the plain weight gives way to a placeholder
-(not a tied embedding table: the look-ups read it) and the weights are held once; our kernels'
-packing is kept next to the plain weight, which F.linear reads above MAX_ROWS[kind]. Other
-devices keep F.linear.
+oneDNN's packing and the AVX2 kernel's take every row count, so there the plain weight gives way
+to a placeholder (not a tied embedding table: the look-ups read it) and the weights are held
+once; the AMX and AVX-512 kernels' packing is kept next to the plain weight, which F.linear
+reads above MAX_ROWS[kind]. Other devices keep F.linear.
 """
 from __future__ import annotations
 

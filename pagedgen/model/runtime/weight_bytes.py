@@ -2,9 +2,9 @@
 
 Three kinds of bytes sit behind a model's projections:
 - plain: the parameters and buffers (unique storages), in the run's dtype;
-- repacked: the copies our GEMM kernels or oneDNN read; ours sit beside the plain weights,
-  which serve the row counts those kernels do not take, oneDNN's stand in for them
-  (model/layers/linear.py);
+- repacked: the copies our GEMM kernels or oneDNN read; the AMX and AVX-512 kernels' sit
+  beside the plain weights, which serve the row counts those kernels do not take, oneDNN's
+  and the AVX2 kernel's stand in for them (model/layers/linear.py);
 - GGUF blocks: with weights="packed", the file's quantized blocks, views of the mapped file
   (resident as the kernels touch them; nothing is copied).
 """

@@ -1,0 +1,212 @@
+/* Skinny bfloat16 GEMM for x86 CPUs with AVX2 and FMA but no AVX-512 BF16 (AMD Zen 1-3,
+ * Intel Haswell to Alder Lake): out[M, N] = x[M, K] . W[N, K]^T (+ bias).
+ *
+ * Why: such CPUs have no bf16 arithmetic, and torch's bf16 GEMM there widens both operands in
+ * memory and runs several times slower than its float32 one, so a bf16 model ran in float32:
+ * twice the weight bytes per step. Decode steps stream every weight once per step and are
+ * bound by those bytes. Here the weights stay bf16 in memory and are widened in registers (a
+ * bf16 value is the upper half of its float32: a shift or a mask), the products and sums are
+ * float32 FMAs, so each step reads half the bytes of the float32 run for the same arithmetic.
+ *
+ * The weight is the shared packing (gemm_common.h): per 16-column block, each input pair is 64
+ * bytes, two ymm loads (columns 0-7 and 8-15), each widened into the pair's even and odd
+ * inputs. The x rows are widened once per call into a float32 buffer (SLAB_ROWS rows at a
+ * time, bounding it for large prefills), from which each row's two inputs are broadcast. A
+ * micro-tile keeps TILE_ROWS rows x 16 columns of float32 sums in 8 of the 16 ymm registers;
+ * a thread runs all its row tiles over one column block before the next, so the block's panel
+ * comes from DRAM once and from L2 after the first tile. Threads (torch's OpenMP runtime)
+ * split the column blocks, and the rows too where blocks are fewer than threads.
+ *
+ * Every row's sums run over the inputs in the same order (pair by pair, even input then odd)
+ * whatever M and the tiling: a row gets the same bits in every batch. Outputs are the float32
+ * sums plus the bias, rounded once to bf16 (nearest even, as torch rounds), or those rounded
+ * values widened to float32 (the LM head's logits).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "gemm_common.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#include <omp.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define TILE_ROWS 4    /* 4 rows x 2 halves: 8 sums, 4 widened weights, a broadcast, in 16 ymm */
+#define SLAB_ROWS 256  /* rows widened at a time: 256 x K floats, 2 MiB at K = 2,048 */
+
+typedef __m256 TileSums[TILE_ROWS][2];
+
+/* A packed pair vector (8 columns x (even, odd) inputs) -> its even and odd inputs. */
+ALWAYS_INLINE __m256 even_inputs(__m256i pairs) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+}
+ALWAYS_INLINE __m256 odd_inputs(__m256i pairs) {
+    return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* R rows of widened x (row r at x_wide + r * k) times one 16-column block's panel. */
+ALWAYS_INLINE void tile_sums(const float *x_wide, int64_t k, const uint16_t *panel,
+                             int64_t pairs, int R, TileSums acc) {
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(panel + p * GEMM_PAIR_ELEMS));
+        const __m256i hi = _mm256_loadu_si256((const __m256i *)(panel + p * GEMM_PAIR_ELEMS + 16));
+        const __m256 even_lo = even_inputs(lo), odd_lo = odd_inputs(lo);
+        const __m256 even_hi = even_inputs(hi), odd_hi = odd_inputs(hi);
+        for (int r = 0; r < R; r++) {
+            const float *xr = x_wide + r * k + 2 * p;
+            const __m256 x_even = _mm256_broadcast_ss(xr);
+            acc[r][0] = _mm256_fmadd_ps(even_lo, x_even, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(even_hi, x_even, acc[r][1]);
+            const __m256 x_odd = _mm256_broadcast_ss(xr + 1);
+            acc[r][0] = _mm256_fmadd_ps(odd_lo, x_odd, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(odd_hi, x_odd, acc[r][1]);
+        }
+    }
+}
+
+/* 8 float32 values rounded to bf16, nearest even (NaN stays NaN), in each word's upper half:
+ * torch's rounding, so that the float32 output is exactly the bf16 output widened. */
+ALWAYS_INLINE __m256i round_to_bf16(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan);
+    return _mm256_and_si256(rounded, _mm256_set1_epi32((int)0xFFFF0000u));
+}
+
+ALWAYS_INLINE __m256 widen8(const uint16_t *src) {
+    const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+}
+
+/* One row's 16 sums (+ bias) of column block `block`, rounded, into out. */
+ALWAYS_INLINE void store_row(__m256 lo, __m256 hi, const uint16_t *bias, GemmOut out,
+                             int64_t row, int64_t col) {
+    if (bias) {
+        lo = _mm256_add_ps(lo, widen8(bias + col));
+        hi = _mm256_add_ps(hi, widen8(bias + col + 8));
+    }
+    const __m256i rlo = round_to_bf16(lo), rhi = round_to_bf16(hi);
+    if (out.f32) {
+        float *dst = (float *)out.data + row * out.n + col;
+        if (out.stream) { /* n % 16 == 0, 64-byte aligned data: every row start is aligned */
+            _mm256_stream_ps(dst, _mm256_castsi256_ps(rlo));
+            _mm256_stream_ps(dst + 8, _mm256_castsi256_ps(rhi));
+        } else {
+            _mm256_storeu_ps(dst, _mm256_castsi256_ps(rlo));
+            _mm256_storeu_ps(dst + 8, _mm256_castsi256_ps(rhi));
+        }
+        return;
+    }
+    /* packus works per 128-bit lane: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> lanes reordered */
+    const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(rlo, 16), _mm256_srli_epi32(rhi, 16));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out.data + row * out.n + col),
+                        _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+ALWAYS_INLINE void micro_tile(const float *x_wide, int64_t k, const uint16_t *panel,
+                              const uint16_t *bias, GemmOut out, int64_t row, int64_t col,
+                              int R) {
+    TileSums acc;
+    tile_sums(x_wide, k, panel, k / 2, R, acc);
+    for (int r = 0; r < R; r++) store_row(acc[r][0], acc[r][1], bias, out, row + r, col);
+}
+
+/* Rows row..end-1 (of the slab starting at slab_row, widened in x_wide) of one column block. */
+static void block_rows(const float *x_wide, int64_t k, const uint16_t *panel,
+                       const uint16_t *bias, GemmOut out, int64_t slab_row, int64_t row,
+                       int64_t end, int64_t col) {
+    for (; row < end; row += TILE_ROWS) {
+        const float *xr = x_wide + (row - slab_row) * k;
+        switch (end - row) { /* constant R: the sums stay in registers */
+        case 1: micro_tile(xr, k, panel, bias, out, row, col, 1); break;
+        case 2: micro_tile(xr, k, panel, bias, out, row, col, 2); break;
+        case 3: micro_tile(xr, k, panel, bias, out, row, col, 3); break;
+        default: micro_tile(xr, k, panel, bias, out, row, col, TILE_ROWS); break;
+        }
+    }
+}
+
+/* Thread `me` of `threads`: its share of a slab's work items, column blocks times row parts.
+ * Rows are split only where there are fewer blocks than threads (narrow projections). */
+static void slab_share(const float *x_wide, const uint16_t *packed, const uint16_t *bias,
+                       GemmOut out, int64_t slab_row, int64_t slab_rows, int64_t k, int me,
+                       int threads) {
+    const int64_t blocks = out.n / 16, tiles = (slab_rows + TILE_ROWS - 1) / TILE_ROWS;
+    int64_t parts = (threads + blocks - 1) / blocks;
+    parts = parts < tiles ? parts : tiles;
+    const int64_t items = blocks * parts;
+    const int64_t first = items * me / threads, last = items * (me + 1) / threads;
+    for (int64_t item = first; item < last; item++) {
+        const int64_t block = item / parts, part = item % parts;
+        const int64_t row = slab_row + tiles * part / parts * TILE_ROWS;
+        const int64_t end_tile = slab_row + tiles * (part + 1) / parts * TILE_ROWS;
+        const int64_t end = end_tile < slab_row + slab_rows ? end_tile : slab_row + slab_rows;
+        block_rows(x_wide, k, packed + block * (k / 2) * GEMM_PAIR_ELEMS, bias, out, slab_row,
+                   row, end, block * 16);
+    }
+}
+
+/* The calling thread's buffer for widened rows, kept between calls: a fresh allocation of
+ * megabytes per call would be fresh pages, faulted in on every call. */
+static float *widened_buffer(size_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread size_t capacity = 0;
+    if (floats > capacity) {
+        free(buffer);
+        capacity = (floats + 1023) & ~(size_t)1023;
+        buffer = aligned_alloc(64, capacity * sizeof(float));
+        if (!buffer) capacity = 0;
+    }
+    return buffer;
+}
+
+int avx2_gemm_available(void) { return 1; }
+
+/* The shapes the packing takes: N % 16 == 0, K % 32 == 0; any M >= 1. */
+int avx2_linear_supported(int64_t m, int64_t n, int64_t k) {
+    return m >= 1 && n >= 16 && k >= 32 && n % 16 == 0 && k % 32 == 0;
+}
+
+/* x: [m, k] bf16 rows x_stride elements apart; packed: amx_pack_weight of W [n, k]; bias: [n]
+ * bf16 or NULL; out: contiguous [m, n], bf16, or with out_f32 float32 (the bf16-rounded values
+ * widened). Returns 1 (nothing written) when unsupported or out of memory. */
+int avx2_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                     const uint16_t *bias, void *out, int64_t m, int64_t n, int64_t k,
+                     int out_f32, int num_threads) {
+    if (!avx2_linear_supported(m, n, k)) return 1;
+    const int64_t slab = m < SLAB_ROWS ? m : SLAB_ROWS;
+    float *x_wide = widened_buffer((size_t)(slab * k));
+    if (!x_wide) return 1;
+    const GemmOut rows = {out, n, out_f32, gemm_streams(out, m, n, out_f32), 0};
+#pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
+    {
+        const int me = omp_get_thread_num(), threads = omp_get_num_threads();
+        for (int64_t slab_row = 0; slab_row < m; slab_row += slab) {
+            const int64_t slab_rows = m - slab_row < slab ? m - slab_row : slab;
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < slab_rows; r++) /* widened once, exactly */
+                for (int64_t i = 0; i < k; i += 8)
+                    _mm256_storeu_ps(x_wide + r * k + i, widen8(x + (slab_row + r) * x_stride + i));
+            slab_share(x_wide, packed, bias, rows, slab_row, slab_rows, k, me, threads);
+#pragma omp barrier /* the slab's rows are read by every thread before the next overwrites them */
+        }
+        if (rows.stream) _mm_sfence(); /* streamed lines visible before the region ends */
+    }
+    return 0;
+}
+
+#else /* no AVX2 and FMA at build time: callers keep oneDNN or F.linear */
+
+int avx2_gemm_available(void) { return 0; }
+int avx2_linear_supported(int64_t m, int64_t n, int64_t k) { return 0; }
+int avx2_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                     const uint16_t *bias, void *out, int64_t m, int64_t n, int64_t k,
+                     int out_f32, int num_threads) {
+    return 1;
+}
+
+#endif
