@@ -8,7 +8,9 @@ from torch import nn
 
 from pagedgen.kernels.cpu import native
 from pagedgen.model.layers.linear import linear, linear_float32, pack_releasing
-from gemm_cases import gemm_case, reference_linear
+from gemm_cases import (
+    assert_one_rounding_apart, gemm_case, reference_linear, results_at_thread_counts,
+)
 
 has_avx2 = native.load() is not None and bool(native.load().avx2_gemm_available())
 pytestmark = pytest.mark.skipif(not has_avx2, reason="no AVX2 and FMA on this CPU (or no C compiler)")
@@ -16,11 +18,6 @@ pytestmark = pytest.mark.skipif(not has_avx2, reason="no AVX2 and FMA on this CP
 # SmolLM2-135M's projections (qkv, o, gate_up, down), one and three 16-column blocks, and a
 # Llama-1B-sized down projection (K = 8,192).
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (16, 32), (48, 96), (64, 8192)]
-
-
-def _assert_one_rounding_apart(got, expected):
-    # Same products, another summation order: at most one bf16 rounding step apart.
-    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 30, 100])  # every M % 4
@@ -31,7 +28,7 @@ def test_avx2_linear_matches_float32_sums(rows, out_features, in_features, with_
     bias = bias if with_bias else None
     got = native.avx2_linear(x, native.gemm_pack(weight), out_features, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-    _assert_one_rounding_apart(got, reference_linear(x, weight, bias))
+    assert_one_rounding_apart(got, reference_linear(x, weight, bias))
 
 
 def test_more_rows_than_one_widened_slab():
@@ -39,7 +36,7 @@ def test_more_rows_than_one_widened_slab():
     # buffer the previous one filled.
     x, weight, bias = gemm_case(600, 96, 128, seed=2)
     got = native.avx2_linear(x, native.gemm_pack(weight), 96, bias)
-    _assert_one_rounding_apart(got, reference_linear(x, weight, bias))
+    assert_one_rounding_apart(got, reference_linear(x, weight, bias))
 
 
 @pytest.mark.parametrize("rows", [1, 17, 48])
@@ -50,7 +47,7 @@ def test_lm_head_float32_output_is_the_bf16_result_widened(rows):
     as_f32 = native.avx2_linear(x, packed, 49152, out_dtype=torch.float32)
     assert as_f32.dtype == torch.float32
     assert torch.equal(as_f32, native.avx2_linear(x, packed, 49152).float())
-    _assert_one_rounding_apart(as_f32, reference_linear(x, weight))
+    assert_one_rounding_apart(as_f32, reference_linear(x, weight))
 
 
 def test_rounds_to_nearest_even_as_torch_does():
@@ -92,16 +89,9 @@ def test_threads_split_columns_and_rows_without_changing_a_bit(out_features):
     # 16 / 48 outputs: fewer column blocks than threads, so the rows are split too.
     x, weight, bias = gemm_case(37, out_features, 64, seed=7)
     packed = native.gemm_pack(weight)
-    saved = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 3, 8):
-            torch.set_num_threads(threads)
-            results.append(native.avx2_linear(x, packed, out_features, bias))
-    finally:
-        torch.set_num_threads(saved)
+    results = results_at_thread_counts(native.avx2_linear, x, packed, out_features, bias)
     assert all(torch.equal(results[0], other) for other in results[1:])
-    _assert_one_rounding_apart(results[0], reference_linear(x, weight, bias))
+    assert_one_rounding_apart(results[0], reference_linear(x, weight, bias))
 
 
 def test_unsupported_inputs_are_refused():
@@ -131,5 +121,5 @@ def test_layers_hold_the_weight_once_and_take_every_row_count():
     head = linear_float32(x[:3], layer.weight, packed=packed)
     assert torch.equal(head, native.avx2_linear(x[:3], packed.data, 64).float())
     # an input the kernel cannot read as it is (float32 rows) is converted, not refused
-    _assert_one_rounding_apart(linear(x[:4].float(), layer.weight, bias, packed=packed),
+    assert_one_rounding_apart(linear(x[:4].float(), layer.weight, bias, packed=packed),
                                reference_linear(x[:4], weight, bias))

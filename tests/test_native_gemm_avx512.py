@@ -6,7 +6,9 @@ import torch.nn.functional as F
 
 from pagedgen.kernels.cpu import native
 from pagedgen.model.layers.linear import MAX_ROWS, linear, linear_float32, pack_weight
-from gemm_cases import gemm_case, reference_linear
+from gemm_cases import (
+    assert_one_rounding_apart, gemm_case, reference_linear, results_at_thread_counts,
+)
 
 has_avx512_bf16 = native.load() is not None and bool(native.load().avx512_bf16_available())
 needs_avx512_bf16 = pytest.mark.skipif(not has_avx512_bf16,
@@ -19,11 +21,6 @@ pytestmark = pytest.mark.usefixtures("each_gemm_form")
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (16, 32), (48, 96), (80, 160)]
 
 
-def _assert_one_rounding_apart(got, expected):
-    # Same products, another summation order: at most one bf16 rounding step apart.
-    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
-
-
 @needs_avx512_bf16
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 13, 16, 17, 30, 64, 100, 256])  # every M % 8
 @pytest.mark.parametrize("out_features,in_features", SHAPES)
@@ -33,7 +30,7 @@ def test_avx512_linear_matches_float32_sums(rows, out_features, in_features, wit
     bias = bias if with_bias else None
     got = native.avx512_linear(x, native.gemm_pack(weight), out_features, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-    _assert_one_rounding_apart(got, reference_linear(x, weight, bias))
+    assert_one_rounding_apart(got, reference_linear(x, weight, bias))
 
 
 @needs_avx512_bf16
@@ -46,7 +43,7 @@ def test_lm_head_float32_output_is_the_bf16_result_widened(rows):
     as_f32 = native.avx512_linear(x, packed, 49152, out_dtype=torch.float32)
     assert as_f32.dtype == torch.float32
     assert torch.equal(as_f32, native.avx512_linear(x, packed, 49152).float())
-    _assert_one_rounding_apart(as_f32, reference_linear(x, weight))
+    assert_one_rounding_apart(as_f32, reference_linear(x, weight))
 
 
 @needs_avx512_bf16
@@ -66,7 +63,7 @@ def test_reads_strided_rows():
     assert not strided.is_contiguous()
     got = native.avx512_linear(strided, native.gemm_pack(weight), 64, bias)
     assert torch.equal(got, native.avx512_linear(x, native.gemm_pack(weight), 64, bias))
-    _assert_one_rounding_apart(got, reference_linear(x, weight, bias))
+    assert_one_rounding_apart(got, reference_linear(x, weight, bias))
 
 
 @needs_avx512_bf16
@@ -93,16 +90,9 @@ def test_threads_split_columns_and_rows_without_changing_a_bit(out_features):
     # 48 / 80 outputs: fewer column groups than threads, so the rows are split too.
     x, weight, bias = gemm_case(37, out_features, 64, seed=7)
     packed = native.gemm_pack(weight)
-    saved = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 3, 8):
-            torch.set_num_threads(threads)
-            results.append(native.avx512_linear(x, packed, out_features, bias))
-    finally:
-        torch.set_num_threads(saved)
+    results = results_at_thread_counts(native.avx512_linear, x, packed, out_features, bias)
     assert all(torch.equal(results[0], other) for other in results[1:])
-    _assert_one_rounding_apart(results[0], reference_linear(x, weight, bias))
+    assert_one_rounding_apart(results[0], reference_linear(x, weight, bias))
 
 
 @needs_avx512_bf16
@@ -121,7 +111,7 @@ def test_unsupported_shapes_are_refused_and_the_layers_fall_back():
     assert not out.any()
     odd = torch.randn(40, 64).to(torch.bfloat16)  # the model layer keeps oneDNN (or F.linear)
     assert getattr(pack_weight(odd), "kind", None) != "avx512"
-    _assert_one_rounding_apart(linear(x, odd, packed=pack_weight(odd)), reference_linear(x, odd))
+    assert_one_rounding_apart(linear(x, odd, packed=pack_weight(odd)), reference_linear(x, odd))
 
 
 @needs_avx512_bf16
