@@ -5,6 +5,8 @@ prefill kernel this CPU dispatches to (AMX or AVX-512 BF16) against the gather +
 median ms of each and their ratio (`--cases chunk` runs only this one). `--kv-dtypes int8,...`
 adds the chunk over 8-bit pools of the same values (native kernel on the codes, and gather +
 dequantize + SDPA), timed round-robin with the bf16 pool's, each against bf16's native kernel.
+On CPU, also each bf16 decode-attention kernel the CPU can run (the fastest it has, AVX2, the
+portable loop) on the decode batch, round-robin (`--cases decode` runs only this one).
 
 SmolLM2-135M shape: 9 query heads, 3 kv heads, head_dim 64, block size 16; `--heads 32,8,64`
 (Llama-3.2-1B) or `--heads 4,1,256` (Gemma 3 270M) for others.
@@ -12,7 +14,7 @@ CPU: cpu_backend (with a per-step plan, and the plan's own cost). CUDA: cpu_back
 Triton kernels, with achieved K/V bandwidth (bytes of K/V read / time).
 
     python bench/bench_attention.py [--threads 1] [--iters 20] [--device cpu|cuda]
-                                    [--cases all|chunk] [--kv-dtypes int8,fp8_e4m3,fp8_e5m2]
+                                    [--cases all|chunk|decode] [--kv-dtypes int8,fp8_e4m3,fp8_e5m2]
                                     [--heads 9,3,64]
 """
 from __future__ import annotations
@@ -141,6 +143,32 @@ def bench_prefill_chunk(iters: int, kv_dtypes: list[str]) -> None:
               f"native vs bf16 native {bf16_native / fast:5.2f}x")
 
 
+def bench_decode_kernels(iters: int) -> None:
+    """Each bf16 decode-attention kernel this CPU can run on the decode batch, round-robin."""
+    batch = decode_batch(torch.bfloat16, "cpu")
+    args = batch.attention_args()
+    plan = cpu_backend.plan_attention(*args[3:], BLOCK_SIZE)
+    scale = HEAD_DIM ** -0.5
+    taken = native.decode_kernel()
+
+    def on(kernel: str) -> Callable[[], object]:
+        def run():
+            native.decode_kernel(kernel)
+            cpu_backend.paged_attention(*args, scale, plan=plan)
+        return run
+
+    try:
+        ms = interleaved_medians({kernel: on(kernel) for kernel in native.DECODE_KERNELS}, iters)
+    finally:
+        native.decode_kernel(taken)
+    gbps = {kernel: kv_bytes_read(batch) / (t * 1e-3) / 1e9 for kernel, t in ms.items()}
+    print(f"decode B=64 ctx~300 bf16, heads {NUM_Q_HEADS}/{NUM_KV_HEADS} x {HEAD_DIM}, "
+          f"median of {iters} (round-robin; \"fastest\" is what this CPU takes):")
+    for kernel, t in ms.items():
+        print(f"  {kernel:9s} {t:8.3f} ms   K/V read {gbps[kernel]:6.1f} GB/s   "
+              f"portable/this {ms['portable'] / t:5.2f}x")
+
+
 def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
     fn()  # warm-up (Triton compiles here)
     _sync(device)
@@ -183,7 +211,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--cases", choices=("all", "chunk"), default="all")
+    parser.add_argument("--cases", choices=("all", "chunk", "decode"), default="all")
     parser.add_argument("--kv-dtypes", default="", help="8-bit pools for the prefill chunk too, "
                         "comma-separated (int8, fp8_e4m3, fp8_e5m2)")
     parser.add_argument("--heads", default="9,3,64",
@@ -197,8 +225,11 @@ def main() -> None:
         kv_dtypes = [name for name in opts.kv_dtypes.split(",") if name]
         for name in kv_dtypes:
             kv_format(name)  # a bad name fails here, naming the choices
-        bench_prefill_chunk(opts.iters, kv_dtypes)
-    if opts.cases == "chunk":
+        if opts.cases in ("all", "decode"):
+            bench_decode_kernels(opts.iters)
+        if opts.cases in ("all", "chunk"):
+            bench_prefill_chunk(opts.iters, kv_dtypes)
+    if opts.cases != "all":
         return
     for dtype in (torch.bfloat16, torch.float32):
         tag = str(dtype).removeprefix("torch.")

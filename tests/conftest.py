@@ -64,3 +64,15 @@ def each_gemm_form(request):
     native.avx512_linear_form(request.param)
     yield request.param
     native.avx512_linear_form(taken)
+
+
+@pytest.fixture(params=["fastest", "avx2", "portable"])
+def each_decode_kernel(request):
+    """Runs a test with each bf16 decode-attention kernel: the one this CPU picks first, the AVX2
+    one (AVX-512 skipped; without AVX2 the portable loop), and the portable loop."""
+    from pagedgen.kernels.cpu import native
+
+    taken = native.decode_kernel()
+    native.decode_kernel(request.param)
+    yield request.param
+    native.decode_kernel(taken)

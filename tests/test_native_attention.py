@@ -1,6 +1,8 @@
 """The C decode-attention kernels against the reference: the portable loop
-(kernels/cpu/decode_attention.c) and, for bfloat16 on CPUs with AVX-512 BF16, the vector
-kernel (kernels/cpu/decode_attention_bf16.c) that the same entry point tries first."""
+(kernels/cpu/decode_attention.c) and, for bfloat16, the vector kernels the same entry point
+tries first: AVX-512 BF16 (kernels/cpu/decode_attention_bf16.c) and AVX2
+(kernels/cpu/decode_attention_avx2.c); each_decode_kernel runs each one the CPU can, the
+portable loop included."""
 import pytest
 import torch
 
@@ -32,7 +34,8 @@ needs_native = pytest.mark.skipif(native.load() is None, reason="no C compiler h
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,block_size", [
     (9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 32), (6, 2, 24, 16), (12, 3, 16, 8),
     (9, 3, 64, 8), (8, 1, 64, 64), (16, 2, 128, 16), (4, 4, 128, 8)])
-def test_native_decode_matches_reference(dtype, tol, q_heads, kv_heads, head_dim, block_size):
+def test_native_decode_matches_reference(dtype, tol, q_heads, kv_heads, head_dim, block_size,
+                                         each_decode_kernel):
     # Lengths up to 300 cross many blocks and leave partial 16-key chunks at the ends.
     query, k_cache, v_cache, tables, lens = _decode_case(6, q_heads, kv_heads, head_dim,
                                                          block_size, dtype, max_len=300)
@@ -46,7 +49,7 @@ def test_native_decode_matches_reference(dtype, tol, q_heads, kv_heads, head_dim
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_reads_a_row_strided_query(dtype):
+def test_native_decode_reads_a_row_strided_query(dtype, each_decode_kernel):
     # The model passes q as a view of the fused QKV output: rows H_q + 2 * H_kv heads apart.
     query, k_cache, v_cache, tables, lens = _decode_case(5, 9, 3, 64, 16, dtype, max_len=100)
     qkv = torch.randn(5, 15, 64).to(dtype)

@@ -191,7 +191,8 @@ def _native_decode(batch, window, scale, quantized=None):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("head_dim,group", SHAPES + [(256, 1), (256, 2), (64, 3)])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_native_window_decode_matches_reference(dtype, tol, head_dim, group, block_size):
+def test_native_window_decode_matches_reference(dtype, tol, head_dim, group, block_size,
+                                                each_decode_kernel):
     for window in windows(block_size):
         batch = _decode_batch(block_size, window, head_dim, group, dtype, seed=window)
         expected = _expected(batch, window, scale=head_dim ** -0.5,

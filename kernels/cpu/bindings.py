@@ -96,6 +96,7 @@ FUNCTIONS = {f.name: f for f in (
     _function("prefill_attention_avx512_supported", _HEADS),
     _function("prefill_attention_avx512_form", "int form"),
     _function("decode_attention_unit_form", "int form"),
+    _function("decode_attention_kernel", "int choice"),
     _function("decode_layers_bf16",
               "ptr layers, int num_layers, ptr shape, ptr buffers, int num_threads"),
     _function("rope_bf16",

@@ -11,7 +11,8 @@
  * contiguous; the query is [S, H_q, D] with heads contiguous and q_stride elements between
  * sequences; the output is contiguous [S, H_q, D]; block tables are int64 [S, max_blocks].
  * bfloat16 goes to the AVX-512 BF16 kernel (decode_attention_bf16.c) where the build
- * machine has it; this portable loop serves float32, other CPUs and other head sizes.
+ * machine has it, else to the AVX2 one (decode_attention_avx2.c); this portable loop serves
+ * float32, other CPUs and other head sizes.
  * Work is split over sequences across threads; each K/V row is loaded once for all the
  * H_q / H_kv query heads that share its kv head (GQA).
  * 8-bit pools (int8, fp8 e4m3/e5m2 codes with one float32 scale per block and kv head) are
@@ -213,15 +214,20 @@ int decode_attention_supported(const DecodeAttention *a) {
     return a->head_dim <= MAX_DIM && a->q_stride % a->head_dim == 0 && a->sliding_window >= 0;
 }
 
-/* The AVX-512 BF16 kernel (bf16 pools) or the AVX-512 8-bit one where they apply, else the
- * portable loop. */
+/* The AVX-512 BF16 kernel (bf16 pools) or the AVX-512 8-bit one where they apply, then the
+ * AVX2 one (bf16 pools), else the portable loop. */
 void decode_attention_team(const DecodeAttention *a, int *failed) {
-    if (!a->kv_codes && decode_attention_bf16_supported(a)) {
+    const int choice = decode_attention_kernel(-2), avx512 = choice == 0, avx2 = choice <= 1;
+    if (avx512 && !a->kv_codes && decode_attention_bf16_supported(a)) {
         decode_attention_bf16_team(a, failed);
         return;
     }
-    if (a->kv_codes && decode_attention_q8_avx512_supported(a)) {
+    if (avx512 && a->kv_codes && decode_attention_q8_avx512_supported(a)) {
         decode_attention_q8_avx512_team(a, failed);
+        return;
+    }
+    if (avx2 && decode_attention_avx2_supported(a)) {
+        decode_attention_avx2_team(a, failed);
         return;
     }
     int64_t longest = 1;

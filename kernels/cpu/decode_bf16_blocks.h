@@ -1,10 +1,11 @@
-/* What both bf16 decode-attention score paths share (decode_attention_bf16.c and its
- * AMX part, decode_scores_amx.h): the job description, where a block's rows are, and the
- * prefetching of the block ahead. Needs AVX-512 F/BW/BF16; empty on other builds. */
+/* What the bf16 decode-attention kernels share (decode_attention_bf16.c with its AMX part,
+ * decode_scores_amx.h, and decode_attention_avx2.c): the job description, where a block's rows
+ * are, and the prefetching of the block ahead. Needs AVX2 (every AVX-512 build has it); empty
+ * on other builds. */
 #ifndef PAGEDGEN_CPU_DECODE_BF16_BLOCKS_H
 #define PAGEDGEN_CPU_DECODE_BF16_BLOCKS_H
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>

@@ -26,6 +26,7 @@
 #include <stdlib.h>
 
 #include "gemm_common.h"
+#include "x86_common.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -37,14 +38,6 @@
 
 typedef __m256 TileSums[TILE_ROWS][2];
 
-/* A packed pair vector (8 columns x (even, odd) inputs) -> its even and odd inputs. */
-ALWAYS_INLINE __m256 even_inputs(__m256i pairs) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-}
-ALWAYS_INLINE __m256 odd_inputs(__m256i pairs) {
-    return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)));
-}
-
 /* R rows of widened x (row r at x_wide + r * k) times one 16-column block's panel. */
 ALWAYS_INLINE void tile_sums(const float *x_wide, int64_t k, const uint16_t *panel,
                              int64_t pairs, int R, TileSums acc) {
@@ -52,8 +45,8 @@ ALWAYS_INLINE void tile_sums(const float *x_wide, int64_t k, const uint16_t *pan
     for (int64_t p = 0; p < pairs; p++) {
         const __m256i lo = _mm256_loadu_si256((const __m256i *)(panel + p * GEMM_PAIR_ELEMS));
         const __m256i hi = _mm256_loadu_si256((const __m256i *)(panel + p * GEMM_PAIR_ELEMS + 16));
-        const __m256 even_lo = even_inputs(lo), odd_lo = odd_inputs(lo);
-        const __m256 even_hi = even_inputs(hi), odd_hi = odd_inputs(hi);
+        const __m256 even_lo = bf16_pairs_even8(lo), odd_lo = bf16_pairs_odd8(lo);
+        const __m256 even_hi = bf16_pairs_even8(hi), odd_hi = bf16_pairs_odd8(hi);
         for (int r = 0; r < R; r++) {
             const float *xr = x_wide + r * k + 2 * p;
             const __m256 x_even = _mm256_broadcast_ss(xr);
@@ -66,30 +59,14 @@ ALWAYS_INLINE void tile_sums(const float *x_wide, int64_t k, const uint16_t *pan
     }
 }
 
-/* 8 float32 values rounded to bf16, nearest even (NaN stays NaN), in each word's upper half:
- * torch's rounding, so that the float32 output is exactly the bf16 output widened. */
-ALWAYS_INLINE __m256i round_to_bf16(__m256 v) {
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan);
-    return _mm256_and_si256(rounded, _mm256_set1_epi32((int)0xFFFF0000u));
-}
-
-ALWAYS_INLINE __m256 widen8(const uint16_t *src) {
-    const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
-}
-
 /* One row's 16 sums (+ bias) of column block `block`, rounded, into out. */
 ALWAYS_INLINE void store_row(__m256 lo, __m256 hi, const uint16_t *bias, GemmOut out,
                              int64_t row, int64_t col) {
     if (bias) {
-        lo = _mm256_add_ps(lo, widen8(bias + col));
-        hi = _mm256_add_ps(hi, widen8(bias + col + 8));
+        lo = _mm256_add_ps(lo, bf16x8_to_f32(bias + col));
+        hi = _mm256_add_ps(hi, bf16x8_to_f32(bias + col + 8));
     }
-    const __m256i rlo = round_to_bf16(lo), rhi = round_to_bf16(hi);
+    const __m256i rlo = bf16x8_round(lo), rhi = bf16x8_round(hi);
     if (out.f32) {
         float *dst = (float *)out.data + row * out.n + col;
         if (out.stream) { /* n % 16 == 0, 64-byte aligned data: every row start is aligned */
@@ -101,10 +78,7 @@ ALWAYS_INLINE void store_row(__m256 lo, __m256 hi, const uint16_t *bias, GemmOut
         }
         return;
     }
-    /* packus works per 128-bit lane: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> lanes reordered */
-    const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(rlo, 16), _mm256_srli_epi32(rhi, 16));
-    _mm256_storeu_si256((__m256i *)((uint16_t *)out.data + row * out.n + col),
-                        _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0)));
+    bf16x16_store_rounded((uint16_t *)out.data + row * out.n + col, rlo, rhi);
 }
 
 ALWAYS_INLINE void micro_tile(const float *x_wide, int64_t k, const uint16_t *panel,
@@ -190,7 +164,7 @@ int avx2_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < slab_rows; r++) /* widened once, exactly */
                 for (int64_t i = 0; i < k; i += 8)
-                    _mm256_storeu_ps(x_wide + r * k + i, widen8(x + (slab_row + r) * x_stride + i));
+                    _mm256_storeu_ps(x_wide + r * k + i, bf16x8_to_f32(x + (slab_row + r) * x_stride + i));
             slab_share(x_wide, packed, bias, rows, slab_row, slab_rows, k, me, threads);
 #pragma omp barrier /* the slab's rows are read by every thread before the next overwrites them */
         }

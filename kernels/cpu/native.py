@@ -1,5 +1,5 @@
 """Build-on-first-use loader for the C kernels, one shared library: decode attention
-(decode_attention.c, decode_attention_bf16.c), the fused bf16 elementwise ops
+(decode_attention.c, decode_attention_bf16.c, decode_attention_avx2.c), the fused bf16 elementwise ops
 (fused_ops.c), the KV row store (store_kv.c), the skinny bf16 GEMMs (gemm_amx.c,
 gemm_avx512.c, gemm_avx2.c: AMX, else AVX-512 BF16, else AVX2 and FMA, one weight packing for
 all three) and prefill attention
@@ -35,7 +35,7 @@ from .bindings import FUNCTIONS
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("decode_attention.c", "decode_attention_bf16.c",
-                        "decode_attention_q8.c", "fused_ops.c",
+                        "decode_attention_avx2.c", "decode_attention_q8.c", "fused_ops.c",
                         "store_kv.c", "store_kv_q8.c", "gemm_amx.c", "gemm_avx512.c",
                         "gemm_avx2.c",
                         "decode_step.c",
@@ -295,6 +295,20 @@ def decode_unit_form(form: int = -2) -> int:
     (the tests run both forms on AMX CPUs)."""
     library = load()
     return 0 if library is None else library.decode_attention_unit_form(form)
+
+
+DECODE_KERNELS = ("fastest", "avx2", "portable")
+
+
+def decode_kernel(choice: str | None = None) -> str:
+    """Which kernels bf16 decode attention may take: "fastest" (the default: AVX-512 BF16, else
+    AVX2, else the portable loop), "avx2" (not the AVX-512 ones), "portable" (the loop alone).
+    None reads the setting. For the tests (every kernel the CPU can run) and the benchmarks."""
+    library = load()
+    if library is None:
+        return "portable"
+    return DECODE_KERNELS[library.decode_attention_kernel(
+        -2 if choice is None else DECODE_KERNELS.index(choice))]
 
 
 def prefill_attention_form(form: int = -2) -> int:

@@ -80,5 +80,11 @@ int decode_attention_bf16_supported(const DecodeAttention *args);
 int decode_attention_q8_avx512_supported(const DecodeAttention *args);
 void decode_attention_q8_avx512_team(const DecodeAttention *args, int *failed);
 void decode_attention_bf16_team(const DecodeAttention *args, int *failed);
+/* decode_attention_avx2.c: bf16 pools on AVX2 + FMA. decode_attention_kernel: which kernels
+ * decode_attention_team may take (0 the fastest, 1 none of AVX-512, 2 the portable loop only;
+ * for tests and benchmarks), -2 only asks; returns the setting. */
+int decode_attention_avx2_supported(const DecodeAttention *args);
+void decode_attention_avx2_team(const DecodeAttention *args, int *failed);
+int decode_attention_kernel(int choice);
 
 #endif

@@ -1,12 +1,13 @@
-/* Small x86 helpers shared by the C kernels: the AMX tile configuration they all use and a
- * vectorised exp, each present where the build has the instructions it needs. */
+/* Small x86 helpers shared by the C kernels: the AMX tile configuration they all use, bf16
+ * widening and rounding and a vectorised exp, each present where the build has the
+ * instructions it needs. */
 #ifndef PAGEDGEN_CPU_X86_COMMON_H
 #define PAGEDGEN_CPU_X86_COMMON_H
 
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) || defined(__AVX512F__)
+#if defined(__AMX_TILE__) || defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -45,6 +46,62 @@ static inline void configure_full_tiles(void) {
         config.colsb[t] = 64;
     }
     _tile_loadconfig(&config);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* The AVX2 forms (CPUs without AVX-512): 8 float32 lanes. A 32-bit lane of bf16 data holds a
+ * pair; a shift gives its first (even) value as float32, a mask its second (odd) one. */
+static inline __attribute__((always_inline)) __m256 bf16_pairs_even8(__m256i pairs) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+}
+static inline __attribute__((always_inline)) __m256 bf16_pairs_odd8(__m256i pairs) {
+    return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* 8 bf16 values -> 8 float32. */
+static inline __attribute__((always_inline)) __m256 bf16x8_to_f32(const uint16_t *src) {
+    const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+}
+
+/* 8 float32 values rounded to bf16, nearest even (NaN stays NaN), in each word's upper half:
+ * torch's rounding, so that a float32 output is exactly the bf16 output widened. */
+static inline __attribute__((always_inline)) __m256i bf16x8_round(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan);
+    return _mm256_and_si256(rounded, _mm256_set1_epi32((int)0xFFFF0000u));
+}
+
+/* Two bf16x8_round results (values 0-7 and 8-15) stored as 16 bf16 values. */
+static inline __attribute__((always_inline)) void bf16x16_store_rounded(uint16_t *dst, __m256i lo,
+                                                                       __m256i hi) {
+    /* packus works per 128-bit lane: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> lanes reordered */
+    const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(lo, 16), _mm256_srli_epi32(hi, 16));
+    _mm256_storeu_si256((__m256i *)dst, _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+/* exp(x) for x <= 0, as exp_nonpositive below: 2^n * p(r), x = n ln2 + r, p of degree 6;
+ * 2^n built in the exponent field (no scalef without AVX-512). */
+static inline __attribute__((always_inline)) __m256 exp8_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f)); /* 2^n stays a normal float */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2, split in two */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                              _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 #endif
 
