@@ -123,3 +123,6 @@ def test_layers_hold_the_weight_once_and_take_every_row_count():
     # an input the kernel cannot read as it is (float32 rows) is converted, not refused
     assert_one_rounding_apart(linear(x[:4].float(), layer.weight, bias, packed=packed),
                                reference_linear(x[:4], weight, bias))
+    # no rows (a step where no row samples, for the LM head): an empty product, not an error
+    assert linear(x[:0], layer.weight, bias, packed=packed).shape == (0, 64)
+    assert linear_float32(x[:0], layer.weight, packed=packed).shape == (0, 64)

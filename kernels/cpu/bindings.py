@@ -89,11 +89,13 @@ FUNCTIONS = {f.name: f for f in (
     _function("argmax_rows_f32", "ptr x, int64_t rows, int64_t cols, ptr out, int num_threads"),
     _function("prefill_attention_bf16", _PREFILL),
     _function("prefill_attention_avx512_bf16", _PREFILL),
+    _function("prefill_attention_avx2_bf16", _PREFILL),
     _function("prefill_attention_avx512_q8",
               "ptr q, int64_t q_stride, ptr k_cache, ptr v_cache, ptr k_scales, ptr v_scales, "
               "int codes, " + _PREFILL_TAIL),
     _function("prefill_attention_supported", _HEADS),
     _function("prefill_attention_avx512_supported", _HEADS),
+    _function("prefill_attention_avx2_supported", _HEADS),
     _function("prefill_attention_avx512_form", "int form"),
     _function("decode_attention_unit_form", "int form"),
     _function("decode_attention_kernel", "int choice"),

@@ -3,7 +3,8 @@
 (fused_ops.c), the KV row store (store_kv.c), the skinny bf16 GEMMs (gemm_amx.c,
 gemm_avx512.c, gemm_avx2.c: AMX, else AVX-512 BF16, else AVX2 and FMA, one weight packing for
 all three) and prefill attention
-(prefill_attention_amx.c, prefill_attention_avx512.c, the latter also over 8-bit pools).
+(prefill_attention_amx.c, prefill_attention_avx512.c, the latter also over 8-bit pools, and
+prefill_attention_avx2.c).
 
 The shared library is compiled once per machine with the system C compiler and cached under
 $PAGEDGEN_CACHE_DIR (default ~/.cache/pagedgen) keyed by a hash of the source, the flags and
@@ -40,13 +41,13 @@ SOURCES = [Path(__file__).with_name(name)
                         "gemm_avx2.c",
                         "decode_step.c",
                         "prefill_attention_amx.c",
-                        "prefill_attention_avx512.c")]
+                        "prefill_attention_avx512.c", "prefill_attention_avx2.c")]
 HEADERS = [Path(__file__).with_name(name)  # part of the cache key
            for name in ("decode_shapes.h", "team_ops.h", "decode_scores_amx.h",
                         "decode_shared_amx.h", "decode_units.h",
                         "decode_bf16_blocks.h", "decode_bf16_passes.h",
                         "decode_shared_blocks.h", "x86_common.h", "kv_codes.h", "gemm_common.h",
-                        "gemm_micro_tiles.h", "amx_column_pair.h")]
+                        "gemm_micro_tiles.h", "amx_column_pair.h", "prefill_items.h")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -219,9 +220,9 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """Causal attention of one prefill chunk (bf16): query [q_len, H_q, D] rows at the last
     q_len positions of a context of context_len tokens whose K/V are in the cache blocks
     `blocks` (int64); writes contiguous `out` [q_len, H_q, D]; sliding_window W > 0: the row at
-    p sees keys (p - W, p] and nothing before the first row's window is read. The AMX kernel where the CPU has
-    AMX, else the AVX-512 BF16 one. False (nothing written) where neither applies (other CPUs,
-    dtypes or head sizes)."""
+    p sees keys (p - W, p] and nothing before the first row's window is read. The AMX kernel where
+    the CPU has AMX, else the AVX-512 BF16 one, else the AVX2 one. False (nothing written) where
+    none applies (other CPUs, dtypes or head sizes)."""
     library = load()
     if library is None or query.dtype != torch.bfloat16 or not _rows_strided(query):
         return False
@@ -238,7 +239,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             head_dim, block_size, scale, sliding_window, torch.get_num_threads())
     # each returns 1 (nothing written) where its CPU features or the shape do not fit
     return (library.prefill_attention_bf16(*args) == 0
-            or library.prefill_attention_avx512_bf16(*args) == 0)
+            or library.prefill_attention_avx512_bf16(*args) == 0
+            or library.prefill_attention_avx2_bf16(*args) == 0)
 
 
 def prefill_attention_q8(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -278,7 +280,8 @@ def prefill_attention_q8(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 def prefill_attention_path(num_q_heads: int, num_kv_heads: int, head_dim: int) -> str:
     """Which kernel runs bf16 prefill attention of this shape here: "AMX", "AVX-512 BF16"
     (VDPBF16PS), "AVX-512 BF16, float32 FMA" (where VDPBF16PS multiplies slower than float32
-    FMAs, as timed by the library), or "torch sdpa" (the gather + SDPA fallback)."""
+    FMAs, as timed by the library), "AVX2" (float32 FMAs on widened K/V), or "torch sdpa" (the
+    gather + SDPA fallback)."""
     library = load()
     if library is None:
         return "torch sdpa"
@@ -286,6 +289,8 @@ def prefill_attention_path(num_q_heads: int, num_kv_heads: int, head_dim: int) -
         return "AMX"
     if library.prefill_attention_avx512_supported(num_q_heads, num_kv_heads, head_dim):
         return "AVX-512 BF16" + (", float32 FMA" if prefill_attention_form() else "")
+    if library.prefill_attention_avx2_supported(num_q_heads, num_kv_heads, head_dim):
+        return "AVX2"
     return "torch sdpa"
 
 
@@ -464,6 +469,8 @@ def _packed_linear(kernel: str, x: torch.Tensor, packed: torch.Tensor, out_featu
     if out_dtype not in (torch.bfloat16, torch.float32):
         return None
     out = torch.empty(rows, out_features, dtype=out_dtype)
+    if rows == 0:  # a step whose rows all skip this product (none samples, say): nothing to do
+        return out
     status = getattr(library, kernel)(x.data_ptr(), x.stride(0), packed.data_ptr(),
                                       None if bias is None else bias.data_ptr(), out.data_ptr(),
                                       rows, out_features, k, int(out_dtype == torch.float32),

@@ -39,6 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "prefill_items.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -354,12 +356,6 @@ static void write_rows(const Chunk *c, int head, int64_t row0, int64_t rows, con
     }
 }
 
-/* The step (of KEYS keys) holding the first key a row at position pos sees: its window's
- * start, 0 without a window. Later rows start no earlier. */
-static inline int64_t window_first_step(int64_t pos, int window) {
-    return window > 0 && pos >= window ? (pos - window + 1) / KEYS : 0;
-}
-
 /* 16 query rows (from `row0`) of query heads first_head .. + heads_per_item (one kv head's). */
 ALWAYS_INLINE void attend_item(const Chunk *c, int first_head, int64_t row0, Scratch *s, int D,
                                int codes, int wide) {
@@ -378,7 +374,7 @@ ALWAYS_INLINE void attend_item(const Chunk *c, int first_head, int64_t row0, Scr
     }
     /* nothing before row 0's window is read (from its step's start: the keys before the
      * window are masked) */
-    const int64_t first_key = window_first_step(first_pos, c->window) * KEYS;
+    const int64_t first_key = prefill_window_first_step(first_pos, c->window, KEYS) * KEYS;
     const uint16_t *k_rows[KEYS], *v_rows[KEYS];
     for (int64_t key0 = first_key; key0 <= last_key; key0 += KEYS) {
         key_rows(c, key0, kv, s, k_rows, v_rows, D, codes);
@@ -426,15 +422,6 @@ static AttendItem pick(int head_dim, int codes, int wide) {
     ITEM_SHAPES(CASE)
 #undef CASE
     return NULL;
-}
-
-/* Whole groups share each K/V row across their heads; split them only as far as needed for two
- * items per thread (a short chunk with few kv heads would leave threads idle). */
-static int heads_per_item(int group, int64_t groups_of_rows, int threads) {
-    for (int heads = group; heads > 1; heads--)
-        if (group % heads == 0 && groups_of_rows * (group / heads) >= 2 * (int64_t)threads)
-            return heads;
-    return 1;
 }
 
 /* One allocation per thread; returns it (to free), NULL when out of memory. */
@@ -507,11 +494,11 @@ static int attend_chunk(Chunk c, int num_threads) {
         return 1;
     const int threads = num_threads < 1 ? 1 : num_threads;
     const int64_t row_blocks = (c.q_len + 15) / 16;
-    c.heads_per_item = heads_per_item(c.num_q_heads / c.num_kv_heads, row_blocks * c.num_kv_heads,
+    c.heads_per_item = prefill_heads_per_item(c.num_q_heads / c.num_kv_heads, row_blocks * c.num_kv_heads,
                                       threads);
     const int parts = c.num_q_heads / c.heads_per_item; /* head sets across all kv heads */
     const int64_t items = row_blocks * parts;
-    c.packed_from = window_first_step(c.context_len - c.q_len, c.window); /* row 0's */
+    c.packed_from = prefill_window_first_step(c.context_len - c.q_len, c.window, KEYS); /* row 0's */
     const int64_t packed_bytes = packed_units(&c) * KEYS * c.head_dim * 2;
     uint32_t *v_packed = NULL;
     if (!c.wide && !c.codes && items >= 2 * (int64_t)c.num_kv_heads &&
