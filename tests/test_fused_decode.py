@@ -33,7 +33,7 @@ def _runner(model_path: str | None, kv_cache_dtype: str = "auto", hybrid_kv: boo
     runner = ModelRunner(loaded, EngineConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks,
                                               kv_cache_dtype=kv_cache_dtype), hybrid_kv=hybrid_kv)
     if runner.model.fused_decode is None:
-        pytest.skip("no fused decode here (needs the native kernels and AMX or AVX-512 BF16)")
+        pytest.skip("no fused decode here (needs the native kernels and AMX, AVX-512 BF16 or AVX2)")
     kind = "gguf" if weights == "packed" else native.gemm_kind()
     assert runner.model.fused_decode.gemm_kind == kind
     return runner
@@ -150,7 +150,7 @@ def test_engine_outputs_do_not_depend_on_the_fused_step(monkeypatch, kv_cache_dt
     from pagedgen import LLM, SamplingParams
 
     if native.gemm_kind() is None:
-        pytest.skip("no fused decode here (needs the native kernels and AMX or AVX-512 BF16)")
+        pytest.skip("no fused decode here (needs the native kernels and AMX, AVX-512 BF16 or AVX2)")
     prompts = ["The capital of France is", "def add(a, b):"]
     params = SamplingParams(n=3, temperature=0.8, top_p=0.95, max_tokens=20, seed=7)
     texts, preemptions = {}, {}
@@ -329,8 +329,8 @@ def test_gemma_engine_outputs_do_not_depend_on_the_fused_step(monkeypatch):
     # steps did run fused.
     from pagedgen import LLM, SamplingParams
 
-    if native.gemm_kind() not in ("amx", "avx512"):  # dense bf16 weights fuse on these only
-        pytest.skip("no fused decode here (needs the native kernels and AMX or AVX-512 BF16)")
+    if native.gemm_kind() is None:  # dense bf16 weights fuse on our GEMMs only
+        pytest.skip("no fused decode here (needs the native kernels and AMX, AVX-512 BF16 or AVX2)")
     prompts = [list(range(20, 25)), list(range(30, 67))]
     params = SamplingParams(n=3, temperature=0.8, top_p=0.95, max_tokens=24, seed=7,
                             ignore_eos=True)

@@ -2,7 +2,8 @@
 
 Decodes: native.decode_attention reads K/V in place through the tables (float32 and bf16);
 bf16 prefill chunks: native.prefill_attention (flash attention on AMX tiles, else with AVX-512
-BF16 where the CPU has it; both read K/V in place through the block table); over an 8-bit pool
+BF16, else with AVX2 FMAs, whichever the CPU has; all read K/V in place through the block
+table); over an 8-bit pool
 native.decode_attention_q8 and native.prefill_attention_q8 read the codes in place. Otherwise
 index_select + SDPA(enable_gqa=True), which is fast, where repeat_interleave for GQA is far
 slower (bench/FIGURES.md). All decodes go through one padded SDPA call; each prefill chunk gets

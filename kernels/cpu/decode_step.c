@@ -1,5 +1,5 @@
 /* The decoder layers of a pure decode step (one new token per sequence) for bfloat16 on CPUs
- * with AMX or AVX-512 BF16 (the GEMM that matches the weights' packing), or on GGUF blocks as
+ * with AMX, AVX-512 BF16 or AVX2 (the GEMM that matches the weights' packing), or on GGUF blocks as
  * stored (the GGUF library's gguf_linear_team), over a bf16 or an 8-bit KV pool, in one OpenMP
  * parallel region.
  *
@@ -49,13 +49,13 @@ typedef struct {
     int64_t hidden, intermediate;
     int num_q_heads, num_kv_heads, head_dim, block_size;
     float rms_norm_eps, scale;
-    int gemm_kind;  /* GEMM_AMX, GEMM_AVX512 or GEMM_GGUF: the layer-by-layer path's kernel */
+    int gemm_kind;  /* GEMM_AMX, GEMM_AVX512, GEMM_AVX2 or GEMM_GGUF: the layer-by-layer path's kernel */
     int norm_style; /* NORM_LLAMA or NORM_GEMMA (ArchitectureStyle.norm) */
     int activation; /* ACT_SILU or ACT_GELU_TANH (ModelConfig.hidden_act) */
     GgufLinearTeam gguf_linear; /* GEMM_GGUF only, else NULL */
 } DecodeModelShape;
 
-enum { GEMM_AMX = 0, GEMM_AVX512 = 1, GEMM_GGUF = 2 };
+enum { GEMM_AMX = 0, GEMM_AVX512 = 1, GEMM_GGUF = 2, GEMM_AVX2 = 3 };
 enum { NORM_LLAMA = 0, NORM_GEMMA = 1 };
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
@@ -147,6 +147,8 @@ static void linear_team(const DecodeModelShape *s, const DecodeStepBuffers *b, c
         s->gguf_linear(packed, x, x_stride, bias, out, m, b->gguf_out, b->gguf_acts, failed);
     else if (s->gemm_kind == GEMM_AVX512)
         avx512_linear_team(x, x_stride, packed, bias, out, m, n, k);
+    else if (s->gemm_kind == GEMM_AVX2)
+        avx2_linear_team(x, x_stride, packed, bias, out, m, n, k, failed);
     else
         amx_linear_team(x, x_stride, packed, bias, out, m, n, k);
 }
@@ -156,6 +158,7 @@ static int linear_supported(const DecodeModelShape *s, const DecodeStepBuffers *
                             int64_t n, int64_t k) {
     if (s->gemm_kind == GEMM_GGUF) return s->gguf_linear && b->gguf_out && b->gguf_acts;
     if (s->gemm_kind == GEMM_AVX512) return avx512_linear_supported(m, n, k);
+    if (s->gemm_kind == GEMM_AVX2) return avx2_linear_supported(m, n, k);
     return s->gemm_kind == GEMM_AMX && amx_linear_supported(m, n, k);
 }
 

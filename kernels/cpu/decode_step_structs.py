@@ -7,7 +7,7 @@ import ctypes
 
 _ptr = ctypes.c_void_p
 
-GEMM_KINDS = {"amx": 0, "avx512": 1, "gguf": 2}  # decode_step.c's GEMM_AMX, _AVX512, _GGUF
+GEMM_KINDS = {"amx": 0, "avx512": 1, "gguf": 2, "avx2": 3}  # decode_step.c's GEMM_AMX, ..., _AVX2
 NORM_STYLES = {"llama": 0, "gemma": 1}  # NORM_LLAMA, NORM_GEMMA (ArchitectureStyle.norm)
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # ACT_SILU, ACT_GELU_TANH (hidden_act)
 

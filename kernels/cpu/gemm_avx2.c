@@ -145,6 +145,28 @@ int avx2_linear_supported(int64_t m, int64_t n, int64_t k) {
     return m >= 1 && n >= 16 && k >= 32 && n % 16 == 0 && k % 32 == 0;
 }
 
+/* The whole product by the calling team (every thread calls it): slab by slab, the rows
+ * widened into x_wide (shared by the team), then each thread's share of the slab's work. */
+static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                         const uint16_t *bias, GemmOut rows, int64_t m, int64_t k, float *x_wide) {
+    const int me = omp_get_thread_num(), threads = omp_get_num_threads();
+    const int64_t slab = m < SLAB_ROWS ? m : SLAB_ROWS;
+    for (int64_t slab_row = 0; slab_row < m; slab_row += slab) {
+        const int64_t slab_rows = m - slab_row < slab ? m - slab_row : slab;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < slab_rows; r++) /* widened once, exactly */
+            for (int64_t i = 0; i < k; i += 8)
+                _mm256_storeu_ps(x_wide + r * k + i, bf16x8_to_f32(x + (slab_row + r) * x_stride + i));
+        slab_share(x_wide, packed, bias, rows, slab_row, slab_rows, k, me, threads);
+#pragma omp barrier /* the slab's rows are read by every thread before the next overwrites them */
+    }
+    if (rows.stream) _mm_sfence(); /* streamed lines visible before the caller reads them */
+}
+
+static size_t widened_floats(int64_t m, int64_t k) {
+    return (size_t)((m < SLAB_ROWS ? m : SLAB_ROWS) * k);
+}
+
 /* x: [m, k] bf16 rows x_stride elements apart; packed: amx_pack_weight of W [n, k]; bias: [n]
  * bf16 or NULL; out: contiguous [m, n], bf16, or with out_f32 float32 (the bf16-rounded values
  * widened). Returns 1 (nothing written) when unsupported or out of memory. */
@@ -152,25 +174,29 @@ int avx2_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed
                      const uint16_t *bias, void *out, int64_t m, int64_t n, int64_t k,
                      int out_f32, int num_threads) {
     if (!avx2_linear_supported(m, n, k)) return 1;
-    const int64_t slab = m < SLAB_ROWS ? m : SLAB_ROWS;
-    float *x_wide = widened_buffer((size_t)(slab * k));
+    float *x_wide = widened_buffer(widened_floats(m, k));
     if (!x_wide) return 1;
     const GemmOut rows = {out, n, out_f32, gemm_streams(out, m, n, out_f32), 0};
 #pragma omp parallel num_threads(num_threads < 1 ? 1 : num_threads)
-    {
-        const int me = omp_get_thread_num(), threads = omp_get_num_threads();
-        for (int64_t slab_row = 0; slab_row < m; slab_row += slab) {
-            const int64_t slab_rows = m - slab_row < slab ? m - slab_row : slab;
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < slab_rows; r++) /* widened once, exactly */
-                for (int64_t i = 0; i < k; i += 8)
-                    _mm256_storeu_ps(x_wide + r * k + i, bf16x8_to_f32(x + (slab_row + r) * x_stride + i));
-            slab_share(x_wide, packed, bias, rows, slab_row, slab_rows, k, me, threads);
-#pragma omp barrier /* the slab's rows are read by every thread before the next overwrites them */
-        }
-        if (rows.stream) _mm_sfence(); /* streamed lines visible before the region ends */
-    }
+    linear_share(x, x_stride, packed, bias, rows, m, k, x_wide);
     return 0;
+}
+
+/* The same (bf16 out) as a team function, for the fused decode step; *failed is set when the
+ * widened rows' buffer could not be allocated (nothing written). */
+void avx2_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                      const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k,
+                      int *failed) {
+    float *x_wide;
+#pragma omp single copyprivate(x_wide)
+    x_wide = widened_buffer(widened_floats(m, k)); /* the single thread's, lent to the team */
+    if (x_wide == NULL) {
+#pragma omp atomic write
+        *failed = 1;
+        return;
+    }
+    const GemmOut rows = {out, n, 0, 0, 0};
+    linear_share(x, x_stride, packed, bias, rows, m, k, x_wide);
 }
 
 #else /* no AVX2 and FMA at build time: callers keep oneDNN or F.linear */
@@ -181,6 +207,11 @@ int avx2_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed
                      const uint16_t *bias, void *out, int64_t m, int64_t n, int64_t k,
                      int out_f32, int num_threads) {
     return 1;
+}
+void avx2_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                      const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k,
+                      int *failed) {
+    *failed = 1;
 }
 
 #endif

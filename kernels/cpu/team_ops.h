@@ -34,6 +34,12 @@ int avx512_linear_supported(int64_t m, int64_t n, int64_t k);
 void avx512_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
                         const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k);
 
+/* gemm_avx2.c: any rows, same packing; *failed set when out of memory (nothing written). */
+int avx2_linear_supported(int64_t m, int64_t n, int64_t k);
+void avx2_linear_team(const uint16_t *x, int64_t x_stride, const uint16_t *packed,
+                      const uint16_t *bias, uint16_t *out, int64_t m, int64_t n, int64_t k,
+                      int *failed);
+
 /* store_kv.c: slots already checked against the cache's capacity. */
 void store_kv_team(const void *key, int64_t key_stride_bytes, const void *value,
                    int64_t value_stride_bytes, void *k_cache, void *v_cache, const int64_t *slots,

@@ -1,5 +1,5 @@
 """A pure decode step's decoder layers in one native call (CPU, bfloat16, weights packed for
-our AMX or AVX-512 BF16 GEMM or GGUF blocks as stored, a bf16 or an 8-bit KV pool, one group
+our AMX, AVX-512 BF16 or AVX2 GEMM or GGUF blocks as stored, a bf16 or an 8-bit KV pool, one group
 or a hybrid one).
 
 `Decoder.forward` runs its layers one module at a time; on CPU that is ten native kernels
@@ -73,7 +73,7 @@ class GgufScratch:
 class FusedDecode:
     layers: ctypes.Array  # DecodeLayerWeights per layer; the tensors stay owned by the model
     row_widths: dict[str, int]  # scratch name -> elements per row
-    gemm_kind: str  # the packing of every weight: "amx", "avx512" or "gguf"
+    gemm_kind: str  # the packing of every weight: "amx", "avx512", "avx2" or "gguf"
     max_rows: int  # the most rows (sequences) a step may have: the projections' kernel's limit
     # int32 [layers]: each layer's sliding window (0: full), or None: every layer attends with
     # the step plan's window. Per-layer windows need the plan's tables unshifted (window 0).
