@@ -9,7 +9,8 @@ from pagedgen.kernels.cpu import native
 from test_native_attention import _decode_case
 
 has_avx2 = native.load() is not None and bool(native.load().avx2_gemm_available())
-pytestmark = pytest.mark.skipif(not has_avx2, reason="no AVX2 and FMA on this CPU (or no C compiler)")
+pytestmark = pytest.mark.skipif(not has_avx2,
+                                reason="no AVX2 and FMA on this CPU (or no C compiler)")
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +45,8 @@ def test_matches_float32_attention_of_the_same_bf16_inputs(head_dim, group, bloc
     out = torch.full_like(query, float("nan"))
     scale = head_dim ** -0.5
     assert native.decode_attention(query, k_cache, v_cache, tables, lens, scale, out)
-    _assert_one_rounding_apart(out, _float32_attention(query, k_cache, v_cache, tables, lens, scale))
+    expected = _float32_attention(query, k_cache, v_cache, tables, lens, scale)
+    _assert_one_rounding_apart(out, expected)
 
 
 @pytest.mark.parametrize("window", [1, 7, 16, 37])
@@ -60,7 +62,8 @@ def test_a_sliding_window_masks_the_keys_before_it(window):
 def test_large_scores_do_not_overflow_the_softmax():
     # Scores in the hundreds: the exp sees only score - max <= 0; a key far above the others
     # takes all the weight.
-    query, k_cache, v_cache, tables, lens = _decode_case(3, 3, 3, 64, 16, torch.bfloat16, max_len=90)
+    query, k_cache, v_cache, tables, lens = _decode_case(3, 3, 3, 64, 16, torch.bfloat16,
+                                                         max_len=90)
     query = (query * 40).to(torch.bfloat16)
     out = torch.empty_like(query)
     assert native.decode_attention(query, k_cache, v_cache, tables, lens, 1.0, out)
@@ -69,7 +72,8 @@ def test_large_scores_do_not_overflow_the_softmax():
 
 
 def test_a_row_gets_the_same_bits_in_any_batch():
-    query, k_cache, v_cache, tables, lens = _decode_case(7, 9, 3, 64, 16, torch.bfloat16, max_len=150)
+    query, k_cache, v_cache, tables, lens = _decode_case(7, 9, 3, 64, 16, torch.bfloat16,
+                                                         max_len=150)
     batch = torch.empty_like(query)
     assert native.decode_attention(query, k_cache, v_cache, tables, lens, 0.125, batch)
     for row in (0, 4, 6):

@@ -9,10 +9,13 @@ import torch
 
 from pagedgen.kernels.cpu import native
 from test_native_prefill_avx512 import (_case, _expected, _head_dim_64_model,
-                                        assert_agree_up_to_near_ties, shared_prefix_prompts)
+                                        assert_agree_up_to_near_ties,
+                                        assert_declines_what_no_vector_kernel_covers,
+                                        shared_prefix_prompts)
 
 has_avx2 = native.load() is not None and bool(native.load().avx2_gemm_available())
-pytestmark = pytest.mark.skipif(not has_avx2, reason="no AVX2 and FMA on this CPU (or no C compiler)")
+pytestmark = pytest.mark.skipif(not has_avx2,
+                                reason="no AVX2 and FMA on this CPU (or no C compiler)")
 
 
 def _call_avx2(query, k_cache, v_cache, blocks, context_len, scale, out, threads=None,
@@ -78,15 +81,7 @@ def test_a_scale_above_one_and_rows_that_see_no_key_of_a_step_stay_finite():
 
 
 def test_avx2_prefill_declines_what_it_does_not_cover():
-    query, k_cache, v_cache, blocks = _case(4, 4, 2, 1, 64, 16, seed=1)
-    out = torch.empty(4, 2, 64, dtype=torch.bfloat16)
-    assert _call_avx2(query, k_cache, v_cache, blocks, 3, 1.0, out) == 1  # q_len > context
-    small = torch.zeros(4, 2, 32, dtype=torch.bfloat16)
-    assert _call_avx2(small, k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous(),
-                      blocks, 4, 1.0, torch.empty_like(small)) == 1  # head_dim 32
-    odd = torch.zeros(4, 3, 64, dtype=torch.bfloat16)
-    two = torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16)
-    assert _call_avx2(odd, two, two, blocks, 4, 1.0, torch.empty_like(odd)) == 1  # 3 % 2
+    assert_declines_what_no_vector_kernel_covers(_call_avx2)
 
 
 def test_dispatch_names_the_kernel_where_it_runs():

@@ -106,17 +106,22 @@ def test_avx512_prefill_sliding_window_matches_reference(q_len, context_len, win
         atol=2e-2, rtol=2e-2)
 
 
-@needs_avx512_bf16
-def test_avx512_prefill_declines_what_it_does_not_cover():
+def assert_declines_what_no_vector_kernel_covers(call) -> None:
+    """call(query, k_cache, v_cache, blocks, context_len, scale, out) -> status: 1 for each."""
     query, k_cache, v_cache, blocks = _case(4, 4, 2, 1, 64, 16, seed=1)
     out = torch.empty(4, 2, 64, dtype=torch.bfloat16)
-    assert _call_avx512(query, k_cache, v_cache, blocks, 3, 1.0, out) == 1  # q_len > context
+    assert call(query, k_cache, v_cache, blocks, 3, 1.0, out) == 1  # q_len > context
     small = torch.zeros(4, 2, 32, dtype=torch.bfloat16)
-    assert _call_avx512(small, k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous(),
-                        blocks, 4, 1.0, torch.empty_like(small)) == 1  # head_dim 32
+    assert call(small, k_cache[..., :32].contiguous(), v_cache[..., :32].contiguous(),
+                blocks, 4, 1.0, torch.empty_like(small)) == 1  # head_dim 32
     odd = torch.zeros(4, 3, 64, dtype=torch.bfloat16)
     two = torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16)
-    assert _call_avx512(odd, two, two, blocks, 4, 1.0, torch.empty_like(odd)) == 1  # 3 % 2
+    assert call(odd, two, two, blocks, 4, 1.0, torch.empty_like(odd)) == 1  # 3 % 2
+
+
+@needs_avx512_bf16
+def test_avx512_prefill_declines_what_it_does_not_cover():
+    assert_declines_what_no_vector_kernel_covers(_call_avx512)
 
 
 @needs_avx512_bf16

@@ -200,9 +200,7 @@ static void attend_generic(const Job *job, int seq, float *scores) {
 typedef void (*AttendFn)(const Job *, int, float *);
 
 static AttendFn pick_attend(int dim, int group) {
-#define CASE(DIM, GROUP) if (dim == DIM && group == GROUP) return attend_##DIM##_##GROUP;
-    DECODE_SHAPES(CASE)
-#undef CASE
+    DECODE_SHAPES(DECODE_PICK_CASE)
     return attend_generic;
 }
 

@@ -16,7 +16,8 @@
  * computed (decode_bf16_blocks.h: blocks are scattered, and the hardware prefetchers stop at
  * each block's end). Each thread takes a contiguous run of sequences, about its share of the
  * keys. A row's result depends on its own query and keys only (no sharing between sequences),
- * so it is batch-invariant. Layouts are those of decode_attention.c; only the query has a row stride.
+ * so it is batch-invariant. Layouts are those of decode_attention.c; only the query has a row
+ * stride.
  */
 #include <float.h>
 #include <stdint.h>
@@ -57,7 +58,9 @@ typedef struct {
 /* Keys whose dot products run at once: KEYS x GROUP chains of FMAs, at least 6 where the
  * group allows (an FMA's latency over its issue rate), at most 8 (the accumulators, two widened
  * vectors and a spare in the 16 ymm registers). */
-ALWAYS_INLINE int keys_at_once(int GROUP) { return GROUP >= 8 ? 1 : GROUP >= 3 ? 2 : GROUP == 2 ? 4 : 8; }
+ALWAYS_INLINE int keys_at_once(int GROUP) {
+    return GROUP >= 8 ? 1 : GROUP >= 3 ? 2 : GROUP == 2 ? 4 : 8;
+}
 
 /* Lanes below n set: the valid keys of a partial chunk. */
 ALWAYS_INLINE __m256i lanes_below(int n) {
@@ -79,8 +82,9 @@ ALWAYS_INLINE void load_query(const Bf16Job *job, const uint16_t *q, float *dst,
     for (int h = 0; h < job->num_q_heads; h++)
         for (int j = 0; j < DIM / 16; j++) {
             const __m256i pairs = _mm256_loadu_si256((const __m256i *)(q + h * DIM + 16 * j));
-            _mm256_storeu_ps(dst + h * DIM + 16 * j, _mm256_mul_ps(bf16_pairs_even8(pairs), scale));
-            _mm256_storeu_ps(dst + h * DIM + 16 * j + 8, _mm256_mul_ps(bf16_pairs_odd8(pairs), scale));
+            float *piece = dst + h * DIM + 16 * j;
+            _mm256_storeu_ps(piece, _mm256_mul_ps(bf16_pairs_even8(pairs), scale));
+            _mm256_storeu_ps(piece + 8, _mm256_mul_ps(bf16_pairs_odd8(pairs), scale));
         }
 }
 
@@ -120,15 +124,17 @@ ALWAYS_INLINE void score_keys(const Bf16Job *job, const int64_t *table, int64_t 
         const uint16_t *block = block_rows(job, job->k_cache, table, start / bs, DIM);
         const int count = len - start < bs ? (int)(len - start) : bs;
         Prefetch fetch = prefetch_ahead_start(job, job->k_cache, table, start, len, then, DIM);
-        const int64_t share = (fetch.left / (hkv * ((count + CHUNK - 1) / CHUNK)) + 63) & ~(int64_t)63;
+        const int64_t chunks = hkv * ((count + CHUNK - 1) / CHUNK);
+        const int64_t share = (fetch.left / chunks + 63) & ~(int64_t)63;
         for (int kv = 0; kv < hkv; kv++)
             for (int c = 0; c < count; c += CHUNK) {
                 const int n = count - c < CHUNK ? count - c : CHUNK;
                 prefetch_some(&fetch, share);
                 const uint16_t *rows = block + c * stride + kv * DIM;
                 /* Two copies so that full chunks (nearly all) have no key test. */
-                if (n == CHUNK) dot_chunk(rows, stride, CHUNK, q + kv * GROUP * DIM, part, DIM, GROUP);
-                else dot_chunk(rows, stride, n, q + kv * GROUP * DIM, part, DIM, GROUP);
+                const float *qg = q + kv * GROUP * DIM;
+                if (n == CHUNK) dot_chunk(rows, stride, CHUNK, qg, part, DIM, GROUP);
+                else dot_chunk(rows, stride, n, qg, part, DIM, GROUP);
                 for (int g = 0; g < GROUP; g++) {
                     float *dst = scores + (kv * GROUP + g) * len + start + c;
                     if (n == CHUNK) _mm256_storeu_ps(dst, sum8(part[g]));
@@ -147,10 +153,9 @@ ALWAYS_INLINE void softmax_rows(float *scores, int64_t from, int64_t first, int6
         __m256 top = _mm256_set1_ps(-FLT_MAX);
         for (int64_t t = first; t < len; t += CHUNK) {
             const int n = len - t < CHUNK ? (int)(len - t) : CHUNK;
-            const __m256 s = n == CHUNK ? _mm256_loadu_ps(row + t)
-                                        : _mm256_blendv_ps(top, _mm256_maskload_ps(row + t, lanes_below(n)),
-                                                           _mm256_castsi256_ps(lanes_below(n)));
-            top = _mm256_max_ps(top, s);
+            const __m256i valid = lanes_below(n);
+            const __m256 s = _mm256_maskload_ps(row + t, valid);
+            top = _mm256_blendv_ps(top, _mm256_max_ps(top, s), _mm256_castsi256_ps(valid));
         }
         top = _mm256_max_ps(top, _mm256_permute2f128_ps(top, top, 1));
         top = _mm256_max_ps(top, _mm256_permute_ps(top, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -159,12 +164,13 @@ ALWAYS_INLINE void softmax_rows(float *scores, int64_t from, int64_t first, int6
         for (int64_t t = from; t < len; t += CHUNK) {
             const int n = len - t < CHUNK ? (int)(len - t) : CHUNK;
             const __m256i valid = lanes_below(n);
-            /* keys before the window: lanes t + i < first */
-            const __m256i seen = _mm256_and_si256(
-                valid, _mm256_cmpgt_epi32(_mm256_add_epi32(_mm256_set1_epi32((int)(t - first)),
-                                                           _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 8)),
-                                          _mm256_setzero_si256()));
-            __m256 e = exp8_nonpositive(_mm256_sub_ps(_mm256_maskload_ps(row + t, valid), top));
+            /* keys seen: lane i is key t + i, seen from `first` on (a window's first key) */
+            const __m256i keys = _mm256_add_epi32(_mm256_set1_epi32((int)(t - first)),
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            const __m256i seen =
+                _mm256_and_si256(valid, _mm256_cmpgt_epi32(keys, _mm256_set1_epi32(-1)));
+            const __m256 x = _mm256_sub_ps(_mm256_maskload_ps(row + t, valid), top);
+            __m256 e = exp2_8_nonpositive(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)));
             e = _mm256_and_ps(e, _mm256_castsi256_ps(seen));
             _mm256_maskstore_ps(row + t, valid, e);
             sum = _mm256_add_ps(sum, e);
@@ -262,8 +268,8 @@ ALWAYS_INLINE int64_t first_key_read(const Bf16Job *job, int seq) {
     return first / job->block_size * job->block_size;
 }
 
-ALWAYS_INLINE void attend_sequence(const Bf16Job *job, int seq, int next, const Avx2Scratch *scratch,
-                                   int DIM, int GROUP) {
+ALWAYS_INLINE void attend_sequence(const Bf16Job *job, int seq, int next,
+                                   const Avx2Scratch *scratch, int DIM, int GROUP) {
     /* blocks wholly before the window are not read (their entries may name freed blocks) */
     const int64_t len = job->seq_lens[seq], first = window_first_key(len, job->sliding_window);
     const int64_t from = first_key_read(job, seq);
@@ -292,10 +298,8 @@ DECODE_SHAPES_256(SPECIALISE)
 typedef void (*AttendFn)(const Bf16Job *, int, int, const Avx2Scratch *);
 
 static AttendFn pick(int dim, int group) {
-#define CASE(DIM, GROUP) if (dim == DIM && group == GROUP) return attend_##DIM##_##GROUP;
-    DECODE_SHAPES(CASE)
-    DECODE_SHAPES_256(CASE)
-#undef CASE
+    DECODE_SHAPES(DECODE_PICK_CASE)
+    DECODE_SHAPES_256(DECODE_PICK_CASE)
     return NULL;
 }
 
@@ -342,8 +346,9 @@ void decode_attention_avx2_team(const DecodeAttention *args, int *failed) {
 #pragma omp atomic write
         *failed = 1;
     }
-    const Avx2Scratch scratch = {buffer, buffer + heads * dim, buffer + heads * dim + heads * longest,
-                                 buffer + 2 * heads * dim + heads * longest};
+    const size_t scores = heads * (size_t)longest;
+    const Avx2Scratch scratch = {buffer, buffer + heads * dim, buffer + heads * dim + scores,
+                                 buffer + 2 * heads * dim + scores};
     int begin, end;
     split_by_keys(&job, args->num_seqs, omp_get_thread_num(), omp_get_num_threads(), &begin, &end);
     for (int seq = begin; buffer != NULL && seq < end; seq++)
@@ -355,6 +360,8 @@ void decode_attention_avx2_team(const DecodeAttention *args, int *failed) {
 #else /* no AVX2 and FMA on the build machine: the portable kernel does everything */
 
 int decode_attention_avx2_supported(const DecodeAttention *args) { (void)args; return 0; }
-void decode_attention_avx2_team(const DecodeAttention *args, int *failed) { (void)args, (void)failed; }
+void decode_attention_avx2_team(const DecodeAttention *args, int *failed) {
+    (void)args, (void)failed;
+}
 
 #endif

@@ -106,10 +106,8 @@ DECODE_SHAPES_256(SPECIALISE)
 typedef void (*AttendFn)(const Bf16Job *, Unit, int, const Scratch *);
 
 static AttendFn pick(int dim, int group) {
-#define CASE(DIM, GROUP) if (dim == DIM && group == GROUP) return attend_##DIM##_##GROUP;
-    DECODE_SHAPES(CASE)
-    DECODE_SHAPES_256(CASE)
-#undef CASE
+    DECODE_SHAPES(DECODE_PICK_CASE)
+    DECODE_SHAPES_256(DECODE_PICK_CASE)
     return NULL;
 }
 

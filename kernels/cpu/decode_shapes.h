@@ -12,4 +12,8 @@
     X(64, 1) X(64, 2) X(64, 3) X(64, 4) X(64, 8) X(128, 1) X(128, 2) X(128, 4) X(128, 8)
 #define DECODE_SHAPES_256(X) X(256, 1) X(256, 2) X(256, 4)
 
+/* In a pick(dim, group) function: return the specialisation attend_DIM_GROUP that matches. */
+#define DECODE_PICK_CASE(DIM, GROUP) \
+    if (dim == DIM && group == GROUP) return attend_##DIM##_##GROUP;
+
 #endif

@@ -49,7 +49,7 @@ typedef struct {
     int64_t hidden, intermediate;
     int num_q_heads, num_kv_heads, head_dim, block_size;
     float rms_norm_eps, scale;
-    int gemm_kind;  /* GEMM_AMX, GEMM_AVX512, GEMM_AVX2 or GEMM_GGUF: the layer-by-layer path's kernel */
+    int gemm_kind;  /* GEMM_AMX, GEMM_AVX512, GEMM_AVX2 or GEMM_GGUF: the layer path's kernel */
     int norm_style; /* NORM_LLAMA or NORM_GEMMA (ArchitectureStyle.norm) */
     int activation; /* ACT_SILU or ACT_GELU_TANH (ModelConfig.hidden_act) */
     GgufLinearTeam gguf_linear; /* GEMM_GGUF only, else NULL */

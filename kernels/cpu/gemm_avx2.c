@@ -156,7 +156,8 @@ static void linear_share(const uint16_t *x, int64_t x_stride, const uint16_t *pa
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < slab_rows; r++) /* widened once, exactly */
             for (int64_t i = 0; i < k; i += 8)
-                _mm256_storeu_ps(x_wide + r * k + i, bf16x8_to_f32(x + (slab_row + r) * x_stride + i));
+                _mm256_storeu_ps(x_wide + r * k + i,
+                                 bf16x8_to_f32(x + (slab_row + r) * x_stride + i));
         slab_share(x_wide, packed, bias, rows, slab_row, slab_rows, k, me, threads);
 #pragma omp barrier /* the slab's rows are read by every thread before the next overwrites them */
     }

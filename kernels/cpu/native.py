@@ -1,6 +1,6 @@
 """Build-on-first-use loader for the C kernels, one shared library: decode attention
-(decode_attention.c, decode_attention_bf16.c, decode_attention_avx2.c), the fused bf16 elementwise ops
-(fused_ops.c), the KV row store (store_kv.c), the skinny bf16 GEMMs (gemm_amx.c,
+(decode_attention.c, decode_attention_bf16.c, decode_attention_avx2.c), the fused bf16
+elementwise ops (fused_ops.c), the KV row store (store_kv.c), the skinny bf16 GEMMs (gemm_amx.c,
 gemm_avx512.c, gemm_avx2.c: AMX, else AVX-512 BF16, else AVX2 and FMA, one weight packing for
 all three) and prefill attention
 (prefill_attention_amx.c, prefill_attention_avx512.c, the latter also over 8-bit pools, and

@@ -69,7 +69,8 @@ ALWAYS_INLINE void widen_step(const Chunk *c, int64_t key0, int kv, const Scratc
     for (int k = 0; k < KEYS; k++) {
         const uint16_t *k_row = zero_row, *v_row = zero_row;
         if (key0 + k < c->context_len) {
-            const int64_t at = ((c->table[block] * c->block_size + offset) * c->num_kv_heads + kv) * D;
+            const int64_t slot = c->table[block] * c->block_size + offset;
+            const int64_t at = (slot * c->num_kv_heads + kv) * D;
             k_row = c->k_cache + at;
             v_row = c->v_cache + at;
         }
@@ -117,23 +118,6 @@ ALWAYS_INLINE void scores(const float *q, const float *k_wide, StepVectors s, in
     for (int k = 0; k < KEYS; k++) s[k][0] = acc[k][0], s[k][1] = acc[k][1];
 }
 
-/* 2^x for x <= 0 (larger x only in lanes that are masked afterwards, bit for bit). */
-ALWAYS_INLINE __m256 exp2_8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f)); /* 2^n stays a normal float */
-    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 r = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.5403530393381606e-4f); /* ln2^6 / 720 */
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3333558146428443e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.6181291076284772e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.5504108664821580e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.4022650695910071e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.9314718055994531e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i two_n = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
 /* The online softmax of one head over the step's scores (lane = query row), into `weights`
  * ([KEYS][ROWS]): key k's weight exp((s - max) * scale), 0 where the row does not see the key;
  * max[2] and sum[2] move on. alpha[2]: the factors O^T must be multiplied by; returns 0 when no
@@ -164,12 +148,14 @@ ALWAYS_INLINE int softmax_step(StepVectors s, int64_t key0, int64_t first_pos, i
         /* exp((s - m) scale) = 2^(s f - m f), f = scale log2(e): one FMA per vector */
         const __m256 shift = _mm256_mul_ps(m, factor);
         const int grew = _mm256_movemask_ps(_mm256_cmp_ps(m, max[v], _CMP_NEQ_OQ)) != 0;
-        alpha[v] = grew ? exp2_8(_mm256_fmsub_ps(max[v], factor, shift)) : _mm256_set1_ps(1.0f);
+        alpha[v] = grew ? exp2_8_nonpositive(_mm256_fmsub_ps(max[v], factor, shift))
+                        : _mm256_set1_ps(1.0f);
         rescale |= grew;
         max[v] = m;
         __m256 step_sum = _mm256_setzero_ps();
         for (int k = 0; k < KEYS; k++) {
-            const __m256 e = _mm256_and_ps(keep[k], exp2_8(_mm256_fmsub_ps(s[k][v], factor, shift)));
+            const __m256 x = _mm256_fmsub_ps(s[k][v], factor, shift);
+            const __m256 e = _mm256_and_ps(keep[k], exp2_8_nonpositive(x));
             _mm256_storeu_ps(weights + k * ROWS + 8 * v, e);
             step_sum = _mm256_add_ps(step_sum, e);
         }
@@ -189,7 +175,8 @@ ALWAYS_INLINE void values_dims(const float *weights, const float *v_wide, const 
             if (rescale) acc[j][v] = _mm256_mul_ps(acc[j][v], alpha[v]);
         }
     for (int k = 0; k < KEYS; k++) {
-        const __m256 p0 = _mm256_loadu_ps(weights + k * ROWS), p1 = _mm256_loadu_ps(weights + k * ROWS + 8);
+        const __m256 p0 = _mm256_loadu_ps(weights + k * ROWS);
+        const __m256 p1 = _mm256_loadu_ps(weights + k * ROWS + 8);
 #pragma GCC unroll 6
         for (int j = 0; j < N; j++) {
             const __m256 value = _mm256_broadcast_ss(v_wide + k * D + d0 + j);
@@ -204,7 +191,8 @@ ALWAYS_INLINE void values_dims(const float *weights, const float *v_wide, const 
 ALWAYS_INLINE void values(const float *weights, const float *v_wide, const __m256 *alpha,
                           int rescale, float *out, int D) {
     int d0 = 0;
-    for (; d0 + DIMS <= D; d0 += DIMS) values_dims(weights, v_wide, alpha, rescale, out, d0, DIMS, D);
+    for (; d0 + DIMS <= D; d0 += DIMS)
+        values_dims(weights, v_wide, alpha, rescale, out, d0, DIMS, D);
     if (D % DIMS) values_dims(weights, v_wide, alpha, rescale, out, d0, D % DIMS, D);
 }
 

@@ -80,27 +80,26 @@ static inline __attribute__((always_inline)) __m256i bf16x8_round(__m256 v) {
 static inline __attribute__((always_inline)) void bf16x16_store_rounded(uint16_t *dst, __m256i lo,
                                                                        __m256i hi) {
     /* packus works per 128-bit lane: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> lanes reordered */
-    const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(lo, 16), _mm256_srli_epi32(hi, 16));
+    const __m256i packed =
+        _mm256_packus_epi32(_mm256_srli_epi32(lo, 16), _mm256_srli_epi32(hi, 16));
     _mm256_storeu_si256((__m256i *)dst, _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0)));
 }
 
-/* exp(x) for x <= 0, as exp_nonpositive below: 2^n * p(r), x = n ln2 + r, p of degree 6;
- * 2^n built in the exponent field (no scalef without AVX-512). */
-static inline __attribute__((always_inline)) __m256 exp8_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f)); /* 2^n stays a normal float */
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2, split in two */
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+/* 2^x for x <= 0, as exp2_nonpositive below. Lanes with larger x come out as garbage bits (the
+ * exponent field overflows): callers mask them away bitwise. */
+static inline __attribute__((always_inline)) __m256 exp2_8_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f)); /* 2^n stays a normal float */
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.5403530393381606e-4f); /* ln2^6 / 720 */
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3333558146428443e-3f)); /* ln2^5 / 120 */
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.6181291076284772e-3f)); /* ln2^4 / 24 */
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.5504108664821580e-2f)); /* ln2^3 / 6 */
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.4022650695910071e-1f)); /* ln2^2 / 2 */
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.9314718055994531e-1f)); /* ln2 */
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                              _mm256_set1_epi32(127)), 23);
+    const __m256i two_n = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 #endif

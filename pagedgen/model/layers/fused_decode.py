@@ -1,6 +1,6 @@
 """A pure decode step's decoder layers in one native call (CPU, bfloat16, weights packed for
-our AMX, AVX-512 BF16 or AVX2 GEMM or GGUF blocks as stored, a bf16 or an 8-bit KV pool, one group
-or a hybrid one).
+our AMX, AVX-512 BF16 or AVX2 GEMM or GGUF blocks as stored, a bf16 or an 8-bit KV pool, one
+group or a hybrid one).
 
 `Decoder.forward` runs its layers one module at a time; on CPU that is ten native kernels
 per layer, each opening an OpenMP region, with Python in between while the other threads wait
