@@ -46,7 +46,6 @@ int decode_attention_kernel(int choice) {
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define CHUNK 8       /* scores per hadd tree: one per float32 lane */
 #define MAX_GROUP 8   /* query heads per kv head (the specialisations) */
-#define MAX_PIECES 16 /* 16-value pieces of a head row: head_dim 256 */
 
 typedef struct {
     float *q;      /* [heads][DIM]: the scaled query, each 16-value piece as 8 even, 8 odd */
@@ -260,14 +259,14 @@ ALWAYS_INLINE void write_output(const float *acc, const float *inv_sum, uint16_t
     }
 }
 
-/* Sequence `seq`; `next`: the one this thread attends next (its first K block is prefetched
- * during the last V block of this one), or -1. */
 /* The first key of `seq` the passes read: the first of the block where its window starts. */
 ALWAYS_INLINE int64_t first_key_read(const Bf16Job *job, int seq) {
     const int64_t first = window_first_key(job->seq_lens[seq], job->sliding_window);
     return first / job->block_size * job->block_size;
 }
 
+/* Sequence `seq`; `next`: the one this thread attends next (its first K block is prefetched
+ * during the last V block of this one), or -1. */
 ALWAYS_INLINE void attend_sequence(const Bf16Job *job, int seq, int next,
                                    const Avx2Scratch *scratch, int DIM, int GROUP) {
     /* blocks wholly before the window are not read (their entries may name freed blocks) */

@@ -13,8 +13,8 @@
  *   - the online softmax is lane-wise (row maxima and sums are vectors), exp as 2^x,
  *   - O^T[d] += P[k] x V[k][d] broadcast, 6 dims at a time: 12 FMAs for 8 loads again; O^T is
  *     rescaled only when a row's maximum grew.
- * The tile sizes are what 16 ymm registers allow: with one vector of rows per FMA and a load
- * per FMA, the loads, not the FMAs, bound the kernel.
+ * The tiles are as large as the 16 ymm registers allow: a first form with one row vector per
+ * broadcast (8 rows, 8 keys: a load per FMA) was bound by its loads, not its FMAs.
  * P stays float32 (no bf16 rounding of the weights), the output is rounded once to bf16.
  * Layouts: q rows q_stride elements apart, heads and head_dim contiguous (a view of the fused
  * QKV output); K/V cache [N, block_size, H_kv, D]; out contiguous [q_len, H_q, D].
