@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedgen.kernels.cpu import native
+
 
 def reference_linear(x, weight, bias=None):
     """float32 sums of the same bf16 inputs, rounded once to bf16: what the kernels promise."""
@@ -35,3 +37,27 @@ def results_at_thread_counts(linear, *args, counts=(1, 3, 8)):
     finally:
         torch.set_num_threads(saved)
     return results
+
+
+def check_float32_output_is_the_bf16_result_widened(linear, rows):
+    """The LM head's shape (49,152 x 576): the sampler wants float32 logits in one pass. At 48
+    rows the logits (9 MB) pass GEMM_STREAM_MIN_BYTES: written with non-temporal stores."""
+    x, weight, _ = gemm_case(rows, 49152, 576, seed=1)
+    packed = native.gemm_pack(weight)
+    as_f32 = linear(x, packed, 49152, out_dtype=torch.float32)
+    assert as_f32.dtype == torch.float32
+    assert torch.equal(as_f32, linear(x, packed, 49152).float())
+    assert_one_rounding_apart(as_f32, reference_linear(x, weight))
+
+
+def check_reads_strided_rows(linear):
+    """Rows further apart than their length (a view into a wider tensor) give the same bits."""
+    x, weight, bias = gemm_case(20, 64, 96)
+    wide = torch.zeros(20, 96 + 32, dtype=torch.bfloat16)
+    wide[:, :96] = x
+    strided = wide[:, :96]
+    assert not strided.is_contiguous()
+    packed = native.gemm_pack(weight)
+    got = linear(strided, packed, 64, bias)
+    assert torch.equal(got, linear(x, packed, 64, bias))
+    assert_one_rounding_apart(got, reference_linear(x, weight, bias))

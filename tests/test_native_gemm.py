@@ -5,7 +5,9 @@ import torch.nn.functional as F
 
 from pagedgen.kernels.cpu import native
 from pagedgen.model.layers.linear import AMX_MAX_ROWS, linear, pack_weight
-from gemm_cases import gemm_case, reference_linear
+from gemm_cases import (
+    assert_one_rounding_apart, check_reads_strided_rows, gemm_case, reference_linear,
+)
 
 has_amx = native.load() is not None and bool(native.load().amx_available())
 needs_amx = pytest.mark.skipif(not has_amx, reason="no AMX on this CPU (or no C compiler)")
@@ -25,7 +27,7 @@ def test_amx_linear_matches_float32_sums(rows, out_features, in_features):
         return
     expected = reference_linear(x, weight)
     # Same products, another summation order: at most one bf16 rounding step apart.
-    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
+    assert_one_rounding_apart(got, expected)
 
 
 @needs_amx
@@ -38,20 +40,12 @@ def test_amx_linear_over_long_inputs_sums_every_run_of_k(rows):
     bias = torch.randn(96).to(torch.bfloat16)
     got = native.amx_linear(x, native.gemm_pack(weight), 96, bias)
     expected = reference_linear(x, weight, bias)
-    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
+    assert_one_rounding_apart(got, expected)
 
 
 @needs_amx
 def test_amx_linear_adds_bias_and_reads_strided_rows():
-    x, weight, _ = gemm_case(20, 64, 96)
-    bias = torch.randn(64).to(torch.bfloat16)
-    wide = torch.randn(20, 96 + 32).to(torch.bfloat16)
-    wide[:, :96] = x
-    strided = wide[:, :96]
-    assert not strided.is_contiguous()
-    got = native.amx_linear(strided, native.gemm_pack(weight), 64, bias)
-    expected = reference_linear(x, weight, bias)
-    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
+    check_reads_strided_rows(native.amx_linear)
 
 
 @needs_amx
@@ -61,7 +55,7 @@ def test_linear_dispatch_amx_for_small_batches_f_linear_above():
     assert packed.kind == "amx"
     small = linear(x[:5], weight, packed=packed)
     expected = reference_linear(x[:5], weight)
-    torch.testing.assert_close(small.float(), expected.float(), rtol=2 ** -7, atol=1e-3)
+    assert_one_rounding_apart(small, expected)
     assert torch.equal(linear(x, weight, packed=packed), F.linear(x, weight))
 
 

@@ -9,7 +9,8 @@ from torch import nn
 from pagedgen.kernels.cpu import native
 from pagedgen.model.layers.linear import linear, linear_float32, pack_releasing
 from gemm_cases import (
-    assert_one_rounding_apart, gemm_case, reference_linear, results_at_thread_counts,
+    assert_one_rounding_apart, check_float32_output_is_the_bf16_result_widened,
+    check_reads_strided_rows, gemm_case, reference_linear, results_at_thread_counts,
 )
 
 has_avx2 = native.load() is not None and bool(native.load().avx2_gemm_available())
@@ -41,13 +42,7 @@ def test_more_rows_than_one_widened_slab():
 
 @pytest.mark.parametrize("rows", [1, 17, 48])
 def test_lm_head_float32_output_is_the_bf16_result_widened(rows):
-    # At 48 rows the 49,152-wide logits (9 MB) are written with non-temporal stores.
-    x, weight, _ = gemm_case(rows, 49152, 576, seed=1)
-    packed = native.gemm_pack(weight)
-    as_f32 = native.avx2_linear(x, packed, 49152, out_dtype=torch.float32)
-    assert as_f32.dtype == torch.float32
-    assert torch.equal(as_f32, native.avx2_linear(x, packed, 49152).float())
-    assert_one_rounding_apart(as_f32, reference_linear(x, weight))
+    check_float32_output_is_the_bf16_result_widened(native.avx2_linear, rows)
 
 
 def test_rounds_to_nearest_even_as_torch_does():
@@ -64,14 +59,7 @@ def test_rounds_to_nearest_even_as_torch_does():
 
 
 def test_reads_strided_rows():
-    x, weight, bias = gemm_case(20, 64, 96)
-    wide = torch.zeros(20, 96 + 32, dtype=torch.bfloat16)
-    wide[:, :96] = x
-    strided = wide[:, :96]
-    assert not strided.is_contiguous()
-    packed = native.gemm_pack(weight)
-    assert torch.equal(native.avx2_linear(strided, packed, 64, bias),
-                       native.avx2_linear(x, packed, 64, bias))
+    check_reads_strided_rows(native.avx2_linear)
 
 
 def test_a_row_gets_the_same_bits_in_any_batch():

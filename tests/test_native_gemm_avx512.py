@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from pagedgen.kernels.cpu import native
 from pagedgen.model.layers.linear import MAX_ROWS, linear, linear_float32, pack_weight
 from gemm_cases import (
-    assert_one_rounding_apart, gemm_case, reference_linear, results_at_thread_counts,
+    assert_one_rounding_apart, check_float32_output_is_the_bf16_result_widened,
+    check_reads_strided_rows, gemm_case, reference_linear, results_at_thread_counts,
 )
 
 has_avx512_bf16 = native.load() is not None and bool(native.load().avx512_bf16_available())
@@ -36,14 +37,7 @@ def test_avx512_linear_matches_float32_sums(rows, out_features, in_features, wit
 @needs_avx512_bf16
 @pytest.mark.parametrize("rows", [1, 17, 48])
 def test_lm_head_float32_output_is_the_bf16_result_widened(rows):
-    # The LM head's shape (49152 x 576); the sampler wants float32 logits in one pass. At 48
-    # rows the logits (9 MB) pass GEMM_STREAM_MIN_BYTES: written with non-temporal stores.
-    x, weight, _ = gemm_case(rows, 49152, 576, seed=1)
-    packed = native.gemm_pack(weight)
-    as_f32 = native.avx512_linear(x, packed, 49152, out_dtype=torch.float32)
-    assert as_f32.dtype == torch.float32
-    assert torch.equal(as_f32, native.avx512_linear(x, packed, 49152).float())
-    assert_one_rounding_apart(as_f32, reference_linear(x, weight))
+    check_float32_output_is_the_bf16_result_widened(native.avx512_linear, rows)
 
 
 @needs_avx512_bf16
@@ -56,14 +50,7 @@ def test_float32_output_with_bias():
 
 @needs_avx512_bf16
 def test_reads_strided_rows():
-    x, weight, bias = gemm_case(20, 64, 96)
-    wide = torch.zeros(20, 96 + 32, dtype=torch.bfloat16)
-    wide[:, :96] = x
-    strided = wide[:, :96]
-    assert not strided.is_contiguous()
-    got = native.avx512_linear(strided, native.gemm_pack(weight), 64, bias)
-    assert torch.equal(got, native.avx512_linear(x, native.gemm_pack(weight), 64, bias))
-    assert_one_rounding_apart(got, reference_linear(x, weight, bias))
+    check_reads_strided_rows(native.avx512_linear)
 
 
 @needs_avx512_bf16

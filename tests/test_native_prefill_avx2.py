@@ -1,5 +1,5 @@
 """The AVX2 prefill attention kernel (kernels/cpu/prefill_attention_avx2.c: float32 FMAs on
-widened K/V, 8 query rows per item) against float32 attention of the same bf16 inputs, and an
+widened K/V, 16 query rows per item) against float32 attention of the same bf16 inputs, and an
 engine run with it against the gather + SDPA fallback. Runs on any x86 CPU with AVX2 and FMA
 (its entry called directly where the AMX or AVX-512 kernel would be taken first)."""
 from __future__ import annotations
@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from pagedgen.kernels.cpu import native
-from test_native_prefill_avx512 import (_case, _expected, _head_dim_64_model,
-                                        assert_agree_up_to_near_ties,
+from test_native_prefill_avx512 import (_case, _expected,
                                         assert_declines_what_no_vector_kernel_covers,
-                                        shared_prefix_prompts)
+                                        assert_engine_matches_the_sdpa_fallback)
 
 has_avx2 = native.load() is not None and bool(native.load().avx2_gemm_available())
 pytestmark = pytest.mark.skipif(not has_avx2,
@@ -94,29 +93,8 @@ def test_dispatch_names_the_kernel_where_it_runs():
 
 
 def test_engine_greedy_outputs_match_the_sdpa_fallback(tmp_path, monkeypatch):
-    # As the AVX-512 kernel's engine test: prompts prefilled in 48-token chunks over their
-    # cached context, sharing a prefix; the AMX and AVX-512 entries switched off so that this
-    # kernel runs on any CPU that has AVX2, then native prefill switched off (gather + SDPA).
-    from pagedgen import LLM, SamplingParams
-
-    model = _head_dim_64_model(tmp_path)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2,
-                            prompt_logprobs=0)
-    library = native.load()
-    calls = []
-
-    def counted(*args):
-        calls.append(library.prefill_attention_avx2_bf16(*args))
-        return calls[-1]
-
-    monkeypatch.setattr(library, "prefill_attention_bf16", counted)
-    monkeypatch.setattr(library, "prefill_attention_avx512_bf16", lambda *args: 1)
-    runs = {}
-    for path in ("avx2", "sdpa"):
-        if path == "sdpa":
-            monkeypatch.setattr(native, "prefill_attention", lambda *args: False)
-        llm = LLM(model, dtype="bfloat16", threads=1, block_size=16, max_num_seqs=4,
-                  max_num_batched_tokens=48)
-        runs[path] = llm.generate(shared_prefix_prompts(), params, use_tqdm=False)
-    assert calls and all(status == 0 for status in calls)
-    assert_agree_up_to_near_ties(runs["avx2"], runs["sdpa"])
+    # As the AVX-512 kernel's engine test, with the AMX and AVX-512 entries switched off so
+    # that this kernel runs on any CPU that has AVX2.
+    assert_engine_matches_the_sdpa_fallback(tmp_path, monkeypatch,
+                                            "prefill_attention_avx2_bf16",
+                                            switched_off=("prefill_attention_avx512_bf16",))

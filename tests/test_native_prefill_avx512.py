@@ -179,34 +179,45 @@ def assert_agree_up_to_near_ties(fast_runs, slow_runs) -> None:
             assert top_two[0] - top_two[1] < 0.05, (part, a.token_ids, b.token_ids)
 
 
-@needs_avx512_bf16
-def test_engine_greedy_outputs_match_the_sdpa_fallback(tmp_path, monkeypatch):
-    # bf16 engine: prompts prefilled in 48-token chunks over their cached context, sharing a
-    # prefix (a prefix-cache hit); the AMX entry switched off so that the AVX-512 kernel runs
-    # on any CPU that has it, then native prefill switched off (gather + SDPA). The random model's
-    # logits are nearly flat, so greedy texts may part where the top two are within bf16 noise
-    # (both paths round differently); up to there they must agree, and the prompt logprobs
-    # (every chunk's attention over its cached context) must agree within bf16 noise.
+def assert_engine_matches_the_sdpa_fallback(tmp_path, monkeypatch, kernel: str,
+                                            switched_off: tuple[str, ...] = ()) -> None:
+    """A bf16 engine with prefill taken by the library entry `kernel` (the entries named in
+    `switched_off` decline, so it runs on any CPU that has it), then with native prefill
+    switched off (gather + SDPA): prompts prefilled in 48-token chunks over their cached
+    context, sharing a prefix (a prefix-cache hit). The two agree up to near ties."""
     from pagedgen import LLM, SamplingParams
 
     model = _head_dim_64_model(tmp_path)
-    prompts = shared_prefix_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2,
                             prompt_logprobs=0)
     library = native.load()
+    entry = getattr(library, kernel)
     calls = []
 
     def counted(*args):
-        calls.append(library.prefill_attention_avx512_bf16(*args))
+        calls.append(entry(*args))
         return calls[-1]
 
     monkeypatch.setattr(library, "prefill_attention_bf16", counted)
+    for name in switched_off:
+        monkeypatch.setattr(library, name, lambda *args: 1)
     runs = {}
-    for path in ("avx512", "sdpa"):
+    for path in ("kernel", "sdpa"):
         if path == "sdpa":
             monkeypatch.setattr(native, "prefill_attention", lambda *args: False)
         llm = LLM(model, dtype="bfloat16", threads=1, block_size=16, max_num_seqs=4,
                   max_num_batched_tokens=48)
-        runs[path] = llm.generate(prompts, params, use_tqdm=False)
+        runs[path] = llm.generate(shared_prefix_prompts(), params, use_tqdm=False)
     assert calls and all(status == 0 for status in calls)
-    assert_agree_up_to_near_ties(runs["avx512"], runs["sdpa"])
+    assert_agree_up_to_near_ties(runs["kernel"], runs["sdpa"])
+
+
+@needs_avx512_bf16
+def test_engine_greedy_outputs_match_the_sdpa_fallback(tmp_path, monkeypatch):
+    # The AMX entry switched off (the AVX-512 kernel is what the library entry calls first
+    # after it). The random model's logits are nearly flat, so greedy texts may part where the
+    # top two are within bf16 noise (both paths round differently); up to there they must
+    # agree, and the prompt logprobs (every chunk's attention over its cached context) must
+    # agree within bf16 noise.
+    assert_engine_matches_the_sdpa_fallback(tmp_path, monkeypatch,
+                                            "prefill_attention_avx512_bf16")
