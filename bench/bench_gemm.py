@@ -1,6 +1,7 @@
-"""The skinny bf16 GEMMs of a decode step, side by side: our packed-weight kernel (AMX or AVX-512
-BF16, whichever this CPU runs), oneDNN on a pre-packed weight (what pagedgen used where there is
-no AMX) and F.linear on the plain weight.
+"""The skinny bf16 GEMMs of a decode step, side by side: our packed-weight kernel (AMX, AVX-512
+BF16 or AVX2, whichever this CPU runs), oneDNN on a pre-packed weight (what pagedgen used where
+there is no AMX) and F.linear on the plain weight. On an AVX2 CPU (no bf16 arithmetic: torch's
+bf16 GEMMs widen in memory) oneDNN and F.linear run in float32, the dtype they would be run in.
 
     python bench/bench_gemm.py [--threads 1,2] [--rows 1,8,16,32,64,128,256,512] [--repeats 7]
                                [--shapes qkv,...,qkv_1b,gate_up_1b,down_1b] [--forms]
@@ -38,6 +39,7 @@ SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (5
           "lm_head": (49152, 576),
           # Llama-3.2-1B's (not in the default list)
           "qkv_1b": (3072, 2048), "gate_up_1b": (16384, 2048), "down_1b": (2048, 8192)}
+KERNELS = {"amx": native.amx_linear, "avx512": native.avx512_linear, "avx2": native.avx2_linear}
 MIN_SAMPLE_S = 0.004  # calls per sample so that one sample lasts at least this long
 
 
@@ -55,9 +57,10 @@ def contenders(out_features: int, in_features: int, kind: str, forms: bool = Fal
     weights = [(torch.randn(out_features, in_features, generator=gen) / in_features ** 0.5
                 ).to(torch.bfloat16) for _ in range(copies)]
     ours_packed = [native.gemm_pack(w) for w in weights]
-    kernel = native.amx_linear if kind == "amx" else native.avx512_linear
+    kernel = KERNELS[kind]
+    peer_weights = [w.float() for w in weights] if kind == "avx2" else weights
     # 64: the model's rows hint
-    onednn_packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
+    onednn_packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in peer_weights]
 
     def in_form(form: int):
         def run(x, packed):
@@ -68,8 +71,8 @@ def contenders(out_features: int, in_features: int, kind: str, forms: bool = Fal
     fns = {
         "ours": in_form(taken),
         "oneDNN": cycled(onednn_packed, lambda x, packed: torch.ops.mkldnn._linear_pointwise(
-            x, packed, None, "none", [], "")),
-        "F.linear": cycled(weights, F.linear),
+            x.to(packed.dtype), packed, None, "none", [], "")),
+        "F.linear": cycled(peer_weights, lambda x, w: F.linear(x.to(w.dtype), w)),
     }
     if forms and kind == "avx512" and taken == 1:
         fns["VDPBF16PS"] = in_form(0)
@@ -116,12 +119,14 @@ def main() -> None:
     keep_freed_memory()
     kind = native.gemm_kind()
     if kind is None:
-        raise SystemExit("no native GEMM here (needs AMX or AVX-512 BF16 and a C compiler)")
+        raise SystemExit("no native GEMM here (needs AMX, AVX-512 BF16 or AVX2 and a C compiler)")
     rows_list = [int(r) for r in args.rows.split(",")]
     taken = native.avx512_linear_form()  # as timed on this CPU, before any call sets it
     if kind == "avx512" and taken:
         wide = native.load().avx512_linear_wide_min_rows()
         kind += f" (float32 FMA form from {wide} rows: VDPBF16PS multiplies slower here)"
+    if kind == "avx2":
+        kind += " (oneDNN and F.linear in float32: bf16 is emulated here)"
     print(f"{cpu_info().summary()}; our kernel: {kind}; dtype bfloat16; median of {args.repeats}; "
           f"{args.copies} cop{'y' if args.copies == 1 else 'ies'} of each weight; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
