@@ -14,8 +14,12 @@
  * time, bounding it for large prefills), from which each row's two inputs are broadcast. A
  * micro-tile keeps TILE_ROWS rows x 16 columns of float32 sums in 8 of the 16 ymm registers;
  * a thread runs all its row tiles over one column block before the next, so the block's panel
- * comes from DRAM once and from L2 after the first tile. Threads (torch's OpenMP runtime)
- * split the column blocks, and the rows too where blocks are fewer than threads.
+ * comes from DRAM once and from L2 after the first tile. Every tile prefetches the weight
+ * stream AHEAD_BYTES ahead of what it reads (the next panel, at the K of most projections):
+ * the hardware prefetchers alone kept too few lines in flight to stream the weight at 1-4 rows,
+ * and at 8-64 rows the first tile of each block waited for DRAM while the others ran from L2.
+ * Threads (torch's OpenMP runtime) split the column blocks, and the rows too where blocks are
+ * fewer than threads.
  *
  * Every row's sums run over the inputs in the same order (pair by pair, even input then odd)
  * whatever M and the tiling: a row gets the same bits in every batch. Outputs are the float32
@@ -35,14 +39,19 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define TILE_ROWS 4    /* 4 rows x 2 halves: 8 sums, 4 widened weights, a broadcast, in 16 ymm */
 #define SLAB_ROWS 256  /* rows widened at a time: 256 x K floats, 2 MiB at K = 2,048 */
+/* Prefetch distance: one panel at K = 2,048 (64 KB); at larger K (a down projection's 8,192: 256
+ * KB panels) a panel ahead was too far, the prefetched lines evicted from L2 before their use. */
+#define AHEAD_BYTES (64 << 10)
 
 typedef __m256 TileSums[TILE_ROWS][2];
 
-/* R rows of widened x (row r at x_wide + r * k) times one 16-column block's panel. */
+/* R rows of widened x (row r at x_wide + r * k) times one 16-column block's panel; with
+ * `ahead`, the weight stream from there on is prefetched into L2, one line per pair. */
 ALWAYS_INLINE void tile_sums(const float *x_wide, int64_t k, const uint16_t *panel,
-                             int64_t pairs, int R, TileSums acc) {
+                             int64_t pairs, int R, TileSums acc, const uint16_t *ahead) {
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
+        if (ahead) _mm_prefetch((const char *)(ahead + p * GEMM_PAIR_ELEMS), _MM_HINT_T1);
         const __m256i lo = _mm256_loadu_si256((const __m256i *)(panel + p * GEMM_PAIR_ELEMS));
         const __m256i hi = _mm256_loadu_si256((const __m256i *)(panel + p * GEMM_PAIR_ELEMS + 16));
         const __m256 even_lo = bf16_pairs_even8(lo), odd_lo = bf16_pairs_odd8(lo);
@@ -82,24 +91,30 @@ ALWAYS_INLINE void store_row(__m256 lo, __m256 hi, const uint16_t *bias, GemmOut
 }
 
 ALWAYS_INLINE void micro_tile(const float *x_wide, int64_t k, const uint16_t *panel,
-                              const uint16_t *bias, GemmOut out, int64_t row, int64_t col,
-                              int R) {
+                              const uint16_t *limit, const uint16_t *bias, GemmOut out,
+                              int64_t row, int64_t col, int R) {
+    const int64_t panel_elems = k / 2 * GEMM_PAIR_ELEMS, ahead_elems = AHEAD_BYTES / 2;
+    const uint16_t *ahead = panel + (panel_elems < ahead_elems ? panel_elems : ahead_elems);
     TileSums acc;
-    tile_sums(x_wide, k, panel, k / 2, R, acc);
+    /* two copies: the test is made once per tile, not per pair (at 64 rows and more, a compare
+     * per pair cost more than the prefetches gave). Past this thread's weight: none. */
+    if (ahead + panel_elems <= limit) tile_sums(x_wide, k, panel, k / 2, R, acc, ahead);
+    else tile_sums(x_wide, k, panel, k / 2, R, acc, NULL);
     for (int r = 0; r < R; r++) store_row(acc[r][0], acc[r][1], bias, out, row + r, col);
 }
 
-/* Rows row..end-1 (of the slab starting at slab_row, widened in x_wide) of one column block. */
+/* Rows row..end-1 (of the slab starting at slab_row, widened in x_wide) of one column block;
+ * limit: the end of the weight this thread reads. */
 static void block_rows(const float *x_wide, int64_t k, const uint16_t *panel,
-                       const uint16_t *bias, GemmOut out, int64_t slab_row, int64_t row,
-                       int64_t end, int64_t col) {
+                       const uint16_t *limit, const uint16_t *bias, GemmOut out,
+                       int64_t slab_row, int64_t row, int64_t end, int64_t col) {
     for (; row < end; row += TILE_ROWS) {
         const float *xr = x_wide + (row - slab_row) * k;
         switch (end - row) { /* constant R: the sums stay in registers */
-        case 1: micro_tile(xr, k, panel, bias, out, row, col, 1); break;
-        case 2: micro_tile(xr, k, panel, bias, out, row, col, 2); break;
-        case 3: micro_tile(xr, k, panel, bias, out, row, col, 3); break;
-        default: micro_tile(xr, k, panel, bias, out, row, col, TILE_ROWS); break;
+        case 1: micro_tile(xr, k, panel, limit, bias, out, row, col, 1); break;
+        case 2: micro_tile(xr, k, panel, limit, bias, out, row, col, 2); break;
+        case 3: micro_tile(xr, k, panel, limit, bias, out, row, col, 3); break;
+        default: micro_tile(xr, k, panel, limit, bias, out, row, col, TILE_ROWS); break;
         }
     }
 }
@@ -114,13 +129,15 @@ static void slab_share(const float *x_wide, const uint16_t *packed, const uint16
     parts = parts < tiles ? parts : tiles;
     const int64_t items = blocks * parts;
     const int64_t first = items * me / threads, last = items * (me + 1) / threads;
+    const int64_t panel_elems = (k / 2) * GEMM_PAIR_ELEMS;
+    const uint16_t *limit = packed + ((last - 1) / parts + 1) * panel_elems; /* for the prefetch */
     for (int64_t item = first; item < last; item++) {
         const int64_t block = item / parts, part = item % parts;
         const int64_t row = slab_row + tiles * part / parts * TILE_ROWS;
         const int64_t end_tile = slab_row + tiles * (part + 1) / parts * TILE_ROWS;
         const int64_t end = end_tile < slab_row + slab_rows ? end_tile : slab_row + slab_rows;
-        block_rows(x_wide, k, packed + block * (k / 2) * GEMM_PAIR_ELEMS, bias, out, slab_row,
-                   row, end, block * 16);
+        block_rows(x_wide, k, packed + block * panel_elems, limit, bias, out, slab_row, row, end,
+                   block * 16);
     }
 }
 
