@@ -93,8 +93,8 @@ def test_dispatch_names_the_kernel_where_it_runs():
 
 
 def test_engine_greedy_outputs_match_the_sdpa_fallback(tmp_path, monkeypatch):
-    # As the AVX-512 kernel's engine test, with the AMX and AVX-512 entries switched off so
-    # that this kernel runs on any CPU that has AVX2.
+    # As the AVX-512 kernel's engine test; the AVX-512 entry declines too, so that this
+    # kernel runs on any CPU that has AVX2.
     assert_engine_matches_the_sdpa_fallback(tmp_path, monkeypatch,
                                             "prefill_attention_avx2_bf16",
                                             switched_off=("prefill_attention_avx512_bf16",))

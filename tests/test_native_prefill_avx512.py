@@ -181,10 +181,11 @@ def assert_agree_up_to_near_ties(fast_runs, slow_runs) -> None:
 
 def assert_engine_matches_the_sdpa_fallback(tmp_path, monkeypatch, kernel: str,
                                             switched_off: tuple[str, ...] = ()) -> None:
-    """A bf16 engine with prefill taken by the library entry `kernel` (the entries named in
-    `switched_off` decline, so it runs on any CPU that has it), then with native prefill
-    switched off (gather + SDPA): prompts prefilled in 48-token chunks over their cached
-    context, sharing a prefix (a prefix-cache hit). The two agree up to near ties."""
+    """A bf16 engine whose prefill runs the library entry `kernel` in place of the AMX one,
+    which native.prefill_attention calls first (so the kernel runs on any CPU that has it; the
+    entries named in `switched_off` decline), then with native prefill switched off (gather +
+    SDPA): prompts prefilled in 48-token chunks over their cached context, sharing a prefix (a
+    prefix-cache hit). The two agree up to near ties."""
     from pagedgen import LLM, SamplingParams
 
     model = _head_dim_64_model(tmp_path)
@@ -214,10 +215,9 @@ def assert_engine_matches_the_sdpa_fallback(tmp_path, monkeypatch, kernel: str,
 
 @needs_avx512_bf16
 def test_engine_greedy_outputs_match_the_sdpa_fallback(tmp_path, monkeypatch):
-    # The AMX entry switched off (the AVX-512 kernel is what the library entry calls first
-    # after it). The random model's logits are nearly flat, so greedy texts may part where the
-    # top two are within bf16 noise (both paths round differently); up to there they must
-    # agree, and the prompt logprobs (every chunk's attention over its cached context) must
-    # agree within bf16 noise.
+    # The random model's logits are nearly flat, so greedy texts may part where the top two
+    # are within bf16 noise (both paths round differently); up to there they must agree, and
+    # the prompt logprobs (every chunk's attention over its cached context) must agree within
+    # bf16 noise.
     assert_engine_matches_the_sdpa_fallback(tmp_path, monkeypatch,
                                             "prefill_attention_avx512_bf16")
