@@ -49,6 +49,19 @@ static inline void configure_full_tiles(void) {
 }
 #endif
 
+/* p = the degree-6 Taylor polynomial of 2^r = e^(r ln2), by Horner, in any vector width (set1
+ * and fmadd of that width): one list of coefficients for the AVX2 and AVX-512 forms of 2^x. */
+#define EXP2_TAYLOR6(p, r, set1, fmadd)                                                       \
+    do {                                                                                      \
+        p = set1(1.5403530393381606e-4f);              /* ln2^6 / 720 */                      \
+        p = fmadd(p, r, set1(1.3333558146428443e-3f)); /* ln2^5 / 120 */                      \
+        p = fmadd(p, r, set1(9.6181291076284772e-3f)); /* ln2^4 / 24 */                       \
+        p = fmadd(p, r, set1(5.5504108664821580e-2f)); /* ln2^3 / 6 */                        \
+        p = fmadd(p, r, set1(2.4022650695910071e-1f)); /* ln2^2 / 2 */                        \
+        p = fmadd(p, r, set1(6.9314718055994531e-1f)); /* ln2 */                              \
+        p = fmadd(p, r, set1(1.0f));                                                          \
+    } while (0)
+
 #if defined(__AVX2__) && defined(__FMA__)
 /* The AVX2 forms (CPUs without AVX-512): 8 float32 lanes. A 32-bit lane of bf16 data holds a
  * pair; a shift gives its first (even) value as float32, a mask its second (odd) one. */
@@ -91,13 +104,8 @@ static inline __attribute__((always_inline)) __m256 exp2_8_nonpositive(__m256 x)
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f)); /* 2^n stays a normal float */
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 r = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.5403530393381606e-4f); /* ln2^6 / 720 */
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3333558146428443e-3f)); /* ln2^5 / 120 */
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.6181291076284772e-3f)); /* ln2^4 / 24 */
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.5504108664821580e-2f)); /* ln2^3 / 6 */
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.4022650695910071e-1f)); /* ln2^2 / 2 */
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.9314718055994531e-1f)); /* ln2 */
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256 p;
+    EXP2_TAYLOR6(p, r, _mm256_set1_ps, _mm256_fmadd_ps);
     const __m256i two_n = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
@@ -153,13 +161,8 @@ static inline __attribute__((always_inline)) __m512 exp_nonpositive(__m512 x) {
 static inline __attribute__((always_inline)) __m512 exp2_nonpositive(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f); /* ln2^6 / 720 */
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558146428443e-3f)); /* ln2^5 / 120 */
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291076284772e-3f)); /* ln2^4 / 24 */
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504108664821580e-2f)); /* ln2^3 / 6 */
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022650695910071e-1f)); /* ln2^2 / 2 */
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718055994531e-1f)); /* ln2 */
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 p;
+    EXP2_TAYLOR6(p, r, _mm512_set1_ps, _mm512_fmadd_ps);
     return _mm512_scalef_ps(p, n);
 }
 
